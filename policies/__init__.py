@@ -1,0 +1,1 @@
+"""Admission policies: small pure objects that never read the clock or import the server."""

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Creates .venv with kvgate and its test tools, and makes sure redis-server exists
+# (the Redis ledger's tests start a real one). Safe to run again: it only adds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+
+apt_install() {
+  if command -v apt-get >/dev/null 2>&1; then
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  else
+    echo "setup: please install $* with your package manager" >&2
+    return 1
+  fi
+}
+
+if [ ! -x .venv/bin/python ]; then
+  if ! "$PYTHON" -m venv .venv 2>/dev/null; then
+    rm -rf .venv
+    pyver=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    apt_install "python${pyver}-venv" || apt_install python3-venv
+    "$PYTHON" -m venv .venv
+  fi
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e ".[${KVGATE_EXTRAS:-test}]"
+
+if [ "${KVGATE_NEED_REDIS:-1}" = "1" ] && ! command -v redis-server >/dev/null 2>&1; then
+  apt_install redis-server
+  # The tests start their own server on a free port; the packaged service is not needed.
+  $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
+fi
