@@ -178,6 +178,43 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+# ----------------------------------------------------------------------------- count
+
+
+def _cmd_count(args: argparse.Namespace) -> int:
+    from proxy.errors import KvgateError
+    from proxy.tokenize import TemplateError, load_counter
+    from proxy.validation import parse_chat_file
+
+    counter = load_counter(args.model_dir, encoding=args.encoding)
+    try:
+        if args.chat is not None:
+            chat = parse_chat_file(_load_json(args.chat, what="--chat file"))
+            tokens = counter.count_chat(chat)
+            kind = "chat"
+        else:
+            tokens = counter.count_prompt(args.prompt)
+            kind = "prompt"
+    except (KvgateError, TemplateError) as exc:
+        raise CliError(str(exc)) from exc
+    if args.json:
+        print(json.dumps({"prompt_tokens": tokens, "model": counter.name, "kind": kind}))
+    else:
+        print(tokens)
+    return 0
+
+
+def _add_count(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("count", help="exact prompt tokens, after the model's chat template")
+    p.add_argument("--model-dir", required=True, help="model directory (tokenizer.json ...)")
+    p.add_argument("--encoding", help="tiktoken encoding in the directory, e.g. o200k_harmony")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--chat", help='JSON file: {"messages": [...], "tools": [...]?}')
+    what.add_argument("--prompt", help="plain completion prompt text")
+    p.add_argument("--json", action="store_true", help='print {"prompt_tokens": N, ...}')
+    p.set_defaults(func=_cmd_count)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -187,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
+    _add_count(sub)
     return parser
 
 

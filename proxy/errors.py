@@ -1,0 +1,198 @@
+"""The error contract, in one place.
+
+    KvgateError
+    ├── InvalidRequest            400 invalid_request
+    ├── ContextLengthExceeded     400 context_length_exceeded
+    ├── MaxTokensRequired         400 max_tokens_required
+    ├── ModelNotFound             404 model_not_found
+    ├── RequestTooLarge           413 request_too_large
+    ├── QueueFull                 429 queue_full
+    ├── QueueTimeout              429 queue_timeout
+    ├── NoBackend                 503 no_backend
+    ├── LedgerUnavailable         503 ledger_unavailable
+    └── UpstreamError             502 upstream_error
+
+Bodies are OpenAI-shaped (`{"error": {"message", "type", "code", "param"}}`) so the
+official SDKs raise their matching exception with our code and message. Errors a
+retry can cure carry `Retry-After` and `retry-after-ms` (both SDKs honour them);
+the others carry `x-should-retry: false`. After the first streamed byte the same
+body travels as an SSE `error` event (`sse_event`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import ClassVar
+
+__all__ = [
+    "ERROR_TABLE",
+    "ContextLengthExceeded",
+    "InvalidRequest",
+    "KvgateError",
+    "LedgerUnavailable",
+    "MaxTokensRequired",
+    "ModelNotFound",
+    "NoBackend",
+    "QueueFull",
+    "QueueTimeout",
+    "RequestTooLarge",
+    "UpstreamError",
+]
+
+
+class KvgateError(Exception):
+    """Base of every error kvgate answers with; subclasses fix status and code."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+    type: ClassVar[str] = "server_error"
+    retryable: ClassVar[bool] = False
+
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(status={self.status}, code={self.code!r}, {self.message!r})"
+
+    def to_body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+                "param": self.param,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        if not self.retryable:
+            return {"x-should-retry": "false"}
+        wait_s = max(0.001, self.retry_after_s if self.retry_after_s is not None else 1.0)
+        return {
+            "Retry-After": str(max(1, math.ceil(wait_s))),
+            "retry-after-ms": str(max(1, math.ceil(wait_s * 1000))),
+        }
+
+    def sse_event(self) -> bytes:
+        """The same body as an SSE `error` event, for failures after streaming began."""
+        return b"event: error\ndata: " + json.dumps(self.to_body()).encode() + b"\n\n"
+
+
+class InvalidRequest(KvgateError):
+    """Malformed JSON, wrong types or missing fields; the message names the field."""
+
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(KvgateError):
+    """Prompt plus max_tokens is over the model's context length."""
+
+    status = 400
+    code = "context_length_exceeded"
+    type = "invalid_request_error"
+
+    def __init__(self, *, max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
+        self.max_model_len = max_model_len
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            param="messages",
+        )
+
+
+class MaxTokensRequired(KvgateError):
+    """Output policy `require` and the request names no max_tokens."""
+
+    status = 400
+    code = "max_tokens_required"
+    type = "invalid_request_error"
+
+
+class ModelNotFound(KvgateError):
+    """The model is not served here; the message lists the served models."""
+
+    status = 404
+    code = "model_not_found"
+    type = "invalid_request_error"
+
+
+class RequestTooLarge(KvgateError):
+    """Body over the byte limit, or a demand no backend could ever hold."""
+
+    status = 413
+    code = "request_too_large"
+    type = "invalid_request_error"
+
+
+class QueueFull(KvgateError):
+    """The bounded queue is at its depth limit."""
+
+    status = 429
+    code = "queue_full"
+    type = "rate_limit_error"
+    retryable = True
+
+
+class QueueTimeout(KvgateError):
+    """The request's deadline passed while it waited for capacity."""
+
+    status = 429
+    code = "queue_timeout"
+    type = "rate_limit_error"
+    retryable = True
+
+
+class NoBackend(KvgateError):
+    """No healthy backend serves the model."""
+
+    status = 503
+    code = "no_backend"
+    type = "server_error"
+    retryable = True
+
+
+class LedgerUnavailable(KvgateError):
+    """The shared ledger cannot be reached: kvgate never admits blindly."""
+
+    status = 503
+    code = "ledger_unavailable"
+    type = "server_error"
+    retryable = True
+
+
+class UpstreamError(KvgateError):
+    """The backend failed before the first byte of its answer."""
+
+    status = 502
+    code = "upstream_error"
+    type = "server_error"
+    retryable = True
+
+
+ERROR_TABLE: dict[str, type[KvgateError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidRequest,
+        ContextLengthExceeded,
+        MaxTokensRequired,
+        ModelNotFound,
+        RequestTooLarge,
+        QueueFull,
+        QueueTimeout,
+        NoBackend,
+        LedgerUnavailable,
+        UpstreamError,
+    )
+}
