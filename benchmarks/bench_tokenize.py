@@ -20,8 +20,10 @@ from tokenizers import Tokenizer
 from proxy.tokenize import ChatRequest, load_counter
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-VOCAB = ("the quick brown fox jumps over a lazy dog while kv cache tokens fill GPU memory "
-         "数学 東京 café naïve 🌅").split()
+VOCAB = (
+    "the quick brown fox jumps over a lazy dog while kv cache tokens fill GPU memory "
+    "数学 東京 café naïve 🌅"
+).split(" ")
 
 
 def prompts(n: int, words: int, seed: int = 7) -> list[ChatRequest]:

@@ -215,6 +215,51 @@ def _add_count(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_cmd_count)
 
 
+# ----------------------------------------------------------------------------- sim
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from proxy.sim.engine import EngineConfig, OutputLength
+    from proxy.sim.server import SimSettings, run_sim
+
+    engine = EngineConfig(
+        kv_tokens=args.kv_tokens,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_step_ms=args.decode_step_ms,
+        per_seq_ms=args.per_seq_ms,
+        output_length=OutputLength(args.output_len),
+        median_output_tokens=args.median_output_tokens,
+        seed=args.seed,
+    )
+    settings = SimSettings(
+        engine=engine, model=args.model, model_dir=args.model_dir,
+        max_model_len=args.max_model_len,
+    )
+    run_sim(settings, args.host, args.port)
+    return 0
+
+
+def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("sim", help="one simulated GPU inference backend (OpenAI-compatible)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--kv-tokens", type=int, required=True, help="KV pool size in tokens")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="0 = instant")
+    p.add_argument("--decode-step-ms", type=float, default=0.0, help="base time of one step")
+    p.add_argument("--per-seq-ms", type=float, default=0.0, help="added per running sequence")
+    p.add_argument("--output-len", choices=["lognormal", "max"], default="lognormal")
+    p.add_argument("--median-output-tokens", type=int, default=64)
+    p.add_argument("--model", default="sim-model", help="served model name")
+    p.add_argument("--model-dir", help="tokenizer directory for exact prompt_tokens")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_sim)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -225,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
     _add_count(sub)
+    _add_sim(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The simulated GPU inference backend (`kvgate sim`)."""

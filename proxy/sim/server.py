@@ -1,0 +1,341 @@
+"""OpenAI-compatible HTTP front of the simulated engine, with vLLM's metric names.
+
+Token text is synthetic; `usage` is exact: prompt tokens come from the model's real
+tokenizer and chat template when a model directory is given (else an estimate of
+one token per 4 characters plus 4 per message), and completion tokens equal the
+tokens streamed. Without `max_tokens` a chat request may run to the context limit
+and a completion request stops at 16, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from proxy.errors import InvalidRequest, KvgateError
+from proxy.sim.engine import EngineConfig, FinishReason, Sequence, SimEngine
+from proxy.tokenize import TemplateError, TokenCounter, load_counter
+from proxy.validation import Endpoint, ValidRequest, validate
+
+__all__ = ["SimSettings", "build_app", "run_sim"]
+
+_WORDS = (" the", " cache", " holds", " every", " token", " of", " a", " long", " answer", ".")
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimSettings:
+    engine: EngineConfig
+    model: str = "sim-model"
+    model_dir: str | None = None
+    max_model_len: int = 32768
+
+
+ENGINE_KEY = web.AppKey("engine", SimEngine)
+SETTINGS_KEY = web.AppKey("settings", SimSettings)
+COUNTER_KEY = web.AppKey("counter", TokenCounter)
+
+
+def _error(exc: KvgateError) -> web.Response:
+    return web.json_response(exc.to_body(), status=exc.status)
+
+
+def _estimate_chat(req: ValidRequest) -> int:
+    assert req.chat is not None
+    total = 2
+    for message in req.chat.messages:
+        content = message.get("content") or ""
+        if isinstance(content, list):
+            content = "\n".join(str(p.get("text", "")) for p in content)
+        total += 4 + math.ceil(len(str(content)) / 4)
+    return total
+
+
+def _prompt_tokens(app: web.Application, req: ValidRequest) -> list[int]:
+    counter = app.get(COUNTER_KEY)
+    if req.chat is not None:
+        return [counter.count_chat(req.chat) if counter else _estimate_chat(req)]
+    out = []
+    for prompt in req.prompts:
+        if counter is not None:
+            out.append(counter.count_prompt(prompt))
+        elif isinstance(prompt, str):
+            out.append(max(1, math.ceil(len(prompt) / 4)))
+        else:
+            out.append(len(prompt))
+    return out
+
+
+def _max_tokens(req: ValidRequest, prompt_tokens: int, settings: SimSettings) -> int:
+    """What the engine may generate: as asked, else vLLM's defaults."""
+    if req.max_tokens is not None:
+        return req.max_tokens
+    if req.endpoint is Endpoint.CHAT:
+        return settings.max_model_len - prompt_tokens
+    return _COMPLETIONS_DEFAULT_MAX_TOKENS
+
+
+def _text(start: int, end: int) -> str:
+    """Synthetic text for tokens start+1..end (1-based)."""
+    return "".join(_WORDS[(i - 1) % len(_WORDS)] for i in range(start + 1, end + 1))
+
+
+async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    app = request.app
+    engine, settings = app[ENGINE_KEY], app[SETTINGS_KEY]
+    try:
+        req = validate(await request.read(), endpoint)
+        prompts = _prompt_tokens(app, req)
+    except KvgateError as exc:
+        return _error(exc)
+    except TemplateError as exc:
+        return _error(InvalidRequest(str(exc), param="messages"))
+    if req.model != settings.model:
+        return web.json_response(
+            {"error": {"message": f"The model `{req.model}` does not exist.",
+                       "type": "NotFoundError", "code": 404, "param": None}},
+            status=404,
+        )
+    seqs: list[Sequence] = []
+    out: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
+    for p_tokens in prompts:
+        max_tokens = _max_tokens(req, p_tokens, settings)
+        if p_tokens + max_tokens > settings.max_model_len or max_tokens < 1:
+            return _error(InvalidRequest(
+                f"This model's maximum context length is {settings.max_model_len} tokens. "
+                f"However, you requested {p_tokens + max_tokens} tokens ({p_tokens} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.", param="messages"))
+        if not engine.fits_ever(p_tokens, max_tokens):
+            return _error(InvalidRequest(
+                f"{p_tokens} prompt + {max_tokens} output tokens can never fit the KV cache "
+                f"of {engine.config.num_blocks * engine.config.block_size} tokens",
+                param="max_tokens"))
+    try:
+        for i, p_tokens in enumerate(prompts):
+            max_tokens = _max_tokens(req, p_tokens, settings)
+            for j in range(req.n):
+                seqs.append(engine.submit(prompt_tokens=p_tokens, max_tokens=max_tokens,
+                                          out=out, index=i * req.n + j))
+        rid = f"{'chatcmpl' if endpoint is Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+        if req.stream:
+            return await _stream(request, req, seqs, out, rid, sum(prompts))
+        return await _collect(req, seqs, out, rid, sum(prompts))
+    finally:
+        for seq in seqs:
+            engine.abort(seq)  # no-op for finished ones; frees blocks on disconnect
+
+
+def _usage(prompt_tokens: int, seqs: list[Sequence]) -> dict[str, int]:
+    completion = sum(s.generated for s in seqs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+async def _drain(
+    seqs: list[Sequence], out: asyncio.Queue[tuple[int, int | None]]
+) -> AsyncIterator[tuple[int, int | None]]:
+    open_seqs = len(seqs)
+    while open_seqs:
+        item = await out.get()
+        if item[1] is None:
+            open_seqs -= 1
+        yield item
+
+
+async def _collect(
+    req: ValidRequest, seqs: list[Sequence], out: asyncio.Queue[tuple[int, int | None]],
+    rid: str, prompt_tokens: int,
+) -> web.Response:
+    async for _ in _drain(seqs, out):
+        pass
+    choices: list[dict[str, Any]] = []
+    for seq in seqs:
+        text = _text(0, seq.generated)
+        reason = str(seq.finish_reason or FinishReason.STOP)
+        if req.endpoint is Endpoint.CHAT:
+            choices.append({"index": seq.index, "logprobs": None, "finish_reason": reason,
+                            "message": {"role": "assistant", "content": text}})
+        else:
+            choices.append({"index": seq.index, "logprobs": None, "finish_reason": reason,
+                            "text": text})
+    return web.json_response({
+        "id": rid,
+        "object": "chat.completion" if req.endpoint is Endpoint.CHAT else "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        "usage": _usage(prompt_tokens, seqs),
+    })
+
+
+async def _stream(
+    request: web.Request, req: ValidRequest, seqs: list[Sequence],
+    out: asyncio.Queue[tuple[int, int | None]], rid: str, prompt_tokens: int,
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    chat = req.endpoint is Endpoint.CHAT
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        body = {"id": rid, "object": obj, "created": created, "model": req.model,
+                "choices": choices, **extra}
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    if chat:
+        await resp.write(chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None} for s in seqs]))
+    sent = dict.fromkeys((s.index for s in seqs), 0)
+    by_index = {s.index: s for s in seqs}
+    async for index, generated in _drain(seqs, out):
+        if generated is None:
+            seq = by_index[index]
+            reason = str(seq.finish_reason or FinishReason.STOP)
+            piece: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
+            await resp.write(chunk([{"index": index, **piece, "logprobs": None,
+                                     "finish_reason": reason}]))
+            continue
+        text = _text(sent[index], generated)
+        sent[index] = generated
+        piece = {"delta": {"content": text}} if chat else {"text": text}
+        await resp.write(chunk([{"index": index, **piece, "logprobs": None,
+                                 "finish_reason": None}]))
+    options = req.body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        await resp.write(chunk([], usage=_usage(prompt_tokens, seqs)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, Endpoint.CHAT)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, Endpoint.COMPLETIONS)
+
+
+async def _models(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS_KEY]
+    return web.json_response({"object": "list", "data": [{
+        "id": settings.model, "object": "model", "created": 0, "owned_by": "kvgate-sim",
+        "max_model_len": settings.max_model_len}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+def metrics_text(engine: SimEngine, model: str) -> str:
+    cfg = engine.config
+    label = f'model_name="{model}"'
+    usage = engine.blocks_used / cfg.num_blocks
+    lines = [
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        f"vllm:kv_cache_usage_perc{{{label}}} {usage}",
+        "# TYPE vllm:num_requests_running gauge",
+        f"vllm:num_requests_running{{{label}}} {engine.num_running}",
+        "# TYPE vllm:num_requests_waiting gauge",
+        f"vllm:num_requests_waiting{{{label}}} {engine.num_waiting}",
+        "# TYPE vllm:num_preemptions_total counter",
+        f"vllm:num_preemptions_total{{{label}}} {engine.preemptions}",
+        "# TYPE vllm:prompt_tokens_total counter",
+        f"vllm:prompt_tokens_total{{{label}}} {engine.prompt_tokens_total}",
+        "# TYPE vllm:generation_tokens_total counter",
+        f"vllm:generation_tokens_total{{{label}}} {engine.generation_tokens_total}",
+        "# TYPE vllm:cache_config_info gauge",
+        f'vllm:cache_config_info{{block_size="{cfg.block_size}",'
+        f'num_gpu_blocks="{cfg.num_blocks}",cache_dtype="auto"}} 1.0',
+        "# TYPE sim:num_gpu_blocks_used gauge",
+        f"sim:num_gpu_blocks_used{{{label}}} {engine.blocks_used}",
+        "# TYPE sim:peak_gpu_blocks_used gauge",
+        f"sim:peak_gpu_blocks_used{{{label}}} {engine.peak_blocks_used}",
+        "# TYPE sim:invariant_violations_total counter",
+        f"sim:invariant_violations_total{{{label}}} {engine.invariant_violations}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    text = metrics_text(request.app[ENGINE_KEY], request.app[SETTINGS_KEY].model)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def _state(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.json_response({
+        "num_blocks": engine.config.num_blocks, "block_size": engine.config.block_size,
+        "blocks_used": engine.blocks_used, "peak_blocks_used": engine.peak_blocks_used,
+        "running": engine.num_running, "waiting": engine.num_waiting,
+        "preemptions": engine.preemptions, "finished": engine.finished,
+        "invariant_violations": engine.invariant_violations,
+        "generation_tokens_total": engine.generation_tokens_total,
+    })
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    engine = SimEngine(app[SETTINGS_KEY].engine)
+    app[ENGINE_KEY] = engine
+    engine.start()
+    yield
+    await engine.stop()
+
+
+def build_app(settings: SimSettings) -> web.Application:
+    app = web.Application(client_max_size=64 * 2**20)
+    app[SETTINGS_KEY] = settings
+    if settings.model_dir:
+        try:
+            app[COUNTER_KEY] = load_counter(settings.model_dir, name=settings.model)
+        except ValueError as exc:
+            raise ValueError(f"--model-dir: {exc}") from exc
+    app.cleanup_ctx.append(_engine_ctx)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/sim/state", _state)
+    return app
+
+
+async def start_sim(settings: SimSettings, host: str, port: int) -> web.AppRunner:
+    """Start on host:port (0 picks a free port); the caller cleans the runner up."""
+    runner = web.AppRunner(build_app(settings), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    for addr in runner.addresses:
+        if isinstance(addr, tuple):
+            return int(addr[1])
+    raise RuntimeError("runner has no TCP address")
+
+
+def run_sim(settings: SimSettings, host: str, port: int) -> None:
+    async def serve() -> None:
+        runner = await start_sim(settings, host, port)
+        print(f"kvgate sim: {settings.model} on http://{host}:{bound_port(runner)} "
+              f"({settings.engine.num_blocks} blocks x {settings.engine.block_size} tokens)",
+              flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(serve())

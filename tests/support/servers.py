@@ -1,0 +1,23 @@
+"""Start real servers on 127.0.0.1 with free ports, inside a test's event loop."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from proxy.sim.engine import EngineConfig
+from proxy.sim.server import SimSettings, bound_port, start_sim
+
+
+@contextlib.asynccontextmanager
+async def running_sim(**kwargs: Any) -> AsyncIterator[str]:
+    """Yield the base URL of a simulated backend; engine options as keyword arguments."""
+    settings_keys = {"model", "model_dir", "max_model_len"}
+    settings_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in settings_keys}
+    settings = SimSettings(engine=EngineConfig(**kwargs), **settings_kwargs)
+    runner = await start_sim(settings, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{bound_port(runner)}"
+    finally:
+        await runner.cleanup()
