@@ -34,7 +34,8 @@ async def run(streams: int, max_tokens: int, rounds: int) -> None:
                 chunks = 0
                 async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
                     async for line in resp.content:
-                        if line.startswith(b"data: {") and b'"content":"' in line.replace(b'"content":""', b''):
+                        text = line.replace(b'"content":""', b"")
+                        if line.startswith(b"data: {") and b'"content":"' in text:
                             chunks += 1
                 return chunks
 
