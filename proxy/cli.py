@@ -260,6 +260,54 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_sim)
 
 
+# ----------------------------------------------------------------------------- serve
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from proxy.config import load_config
+    from proxy.server import start_proxy
+
+    config = load_config(args.config)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    async def serve() -> None:
+        runner = await start_proxy(config)
+        print(f"kvgate: listening on http://{config.server.host}:{config.server.port}",
+              flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(serve())
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the admission proxy")
+    p.add_argument("--config", required=True, help="TOML configuration file")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from proxy.demo import run_demo
+
+    asyncio.run(run_demo(port=args.port, kv_tokens=args.kv_tokens))
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("demo", help="proxy + two simulated GPU backends + bundled tokenizer")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool of each backend")
+    p.set_defaults(func=_cmd_demo)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -271,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_count(sub)
     _add_sim(sub)
+    _add_serve(sub)
+    _add_demo(sub)
     return parser
 
 

@@ -1,0 +1,327 @@
+"""Admission: place a demand on a backend with room, or wait in a bounded queue.
+
+No HTTP here. One `AdmissionController` per served model owns its backends'
+view, its waiting room and its dispatch. The flow:
+
+    lease = await controller.acquire(demand, deadline)   # QueueFull / QueueTimeout / ...
+    try:
+        ...forward...
+    finally:
+        lease.release()                                   # sync, idempotent
+
+Dispatch offers capacity to waiters in the ordering policy's order and lets
+smaller waiters backfill past one that does not fit yet, until the head has
+waited `starvation_s`: then nobody passes it, so it gets the next room that
+opens. That bounds both head-of-line blocking and starvation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from policies.ordering import Ordering, WaiterView
+from policies.placement import BackendRoom, PlacementName, rank_backends
+from proxy.errors import NoBackend, QueueFull, QueueTimeout, RequestTooLarge
+from proxy.ledger import Ledger
+
+__all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Demand:
+    """What one request will hold: ledger tokens, and the numbers behind them."""
+
+    tokens: int
+    prompt_tokens: int
+    max_tokens: int
+    n: int = 1
+    priority: str = ""
+    tenant: str = ""
+
+
+class Backend:
+    """A backend's static capacity and live health, as the controller sees it."""
+
+    def __init__(self, *, name: str, url: str, capacity_tokens: int, api_key: str | None = None):
+        self.name = name
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.capacity_tokens = capacity_tokens
+        self.healthy = True
+        self.inflight = 0
+
+
+class Lease:
+    """Tokens held on one backend until `release()`; releasing twice is a no-op."""
+
+    def __init__(
+        self,
+        *,
+        lease_id: str,
+        backend: Backend,
+        demand: Demand,
+        on_release: Callable[[Lease], None],
+    ) -> None:
+        self.lease_id = lease_id
+        self.backend = backend
+        self.demand = demand
+        self._on_release = on_release
+        self._released = False
+        backend.inflight += 1
+
+    @property
+    def tokens(self) -> int:
+        return self.demand.tokens
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.backend.inflight -= 1
+        self._on_release(self)
+
+
+class ReleaseRate:
+    """Tokens released per second over a sliding window: the basis of Retry-After."""
+
+    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self._window_s = window_s
+        self._clock = clock
+        self._events: deque[tuple[float, int]] = deque()
+        self._sum = 0
+
+    def record(self, tokens: int) -> None:
+        now = self._clock()
+        self._events.append((now, tokens))
+        self._sum += tokens
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self._window_s:
+            self._sum -= self._events.popleft()[1]
+
+    def tokens_per_s(self) -> float:
+        now = self._clock()
+        self._trim(now)
+        if not self._events:
+            return 0.0
+        span = max(1.0, now - self._events[0][0])
+        return self._sum / span
+
+    def wait_s(self, tokens_ahead: int, *, floor_s: float = 1.0, ceiling_s: float = 60.0) -> float:
+        """Seconds until `tokens_ahead` should have been released at the recent rate."""
+        rate = self.tokens_per_s()
+        if rate <= 0:
+            return floor_s
+        return min(ceiling_s, max(floor_s, tokens_ahead / rate))
+
+
+class _Waiter:
+    __slots__ = ("demand", "fut", "view")
+
+    def __init__(self, view: WaiterView, demand: Demand, fut: asyncio.Future[Lease]) -> None:
+        self.view = view
+        self.demand = demand
+        self.fut = fut
+
+
+class AdmissionController:
+    """Reserve-or-queue for one model's backends; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        backends: Sequence[Backend],
+        ledger: Ledger,
+        ordering: Ordering,
+        placement: PlacementName = PlacementName.BEST_FIT,
+        max_queue_depth: int = 128,
+        starvation_s: float = 5.0,
+        on_event: Callable[[str, Lease | None], None] | None = None,
+    ) -> None:
+        if not backends:
+            raise ValueError(f"model {model!r} has no backends")
+        self.model = model
+        self.backends = list(backends)
+        self._by_name = {b.name: b for b in self.backends}
+        self._ledger = ledger
+        self._ordering = ordering
+        self._placement = placement
+        self._max_depth = max_queue_depth
+        self._starvation_s = starvation_s
+        self._waiters: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._dispatching = False
+        self._dispatch_again = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.release_rate = ReleaseRate()
+        self._on_event = on_event or (lambda _kind, _lease: None)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    def oldest_wait_s(self, now: float) -> float:
+        return max((now - w.view.arrival for w in self._waiters), default=0.0)
+
+    def queued_tokens(self) -> int:
+        return sum(w.demand.tokens for w in self._waiters)
+
+    @property
+    def max_capacity_tokens(self) -> int:
+        return max(b.capacity_tokens for b in self.backends)
+
+    def rooms(self) -> list[BackendRoom]:
+        return [
+            BackendRoom(
+                name=b.name,
+                capacity_tokens=b.capacity_tokens,
+                resident_tokens=self._ledger.resident(b.name),
+            )
+            for b in self.backends
+            if b.healthy
+        ]
+
+    def retry_after_s(self, extra_tokens: int = 0) -> float:
+        free = sum(max(0, r.free_tokens) for r in self.rooms())
+        ahead = max(0, self.queued_tokens() + extra_tokens - free)
+        return self.release_rate.wait_s(ahead)
+
+    # ------------------------------------------------------------------ acquire
+    async def acquire(self, demand: Demand, deadline: float) -> Lease:
+        """A lease now, or after waiting until `deadline` (loop time), or an error."""
+        loop = asyncio.get_running_loop()
+        if demand.tokens > self.max_capacity_tokens:
+            raise RequestTooLarge(
+                f"demand {demand.tokens} tokens ({demand.prompt_tokens} prompt + "
+                f"{demand.max_tokens} output{f' x {demand.n}' if demand.n > 1 else ''}, "
+                f"block-rounded) exceeds the largest backend capacity "
+                f"{self.max_capacity_tokens} tokens of model {self.model!r}; "
+                "it can never be admitted",
+                param="max_tokens",
+            )
+        if not any(b.healthy for b in self.backends):
+            raise NoBackend(
+                f"no healthy backend serves model {self.model!r}", retry_after_s=5.0
+            )
+        if not self._waiters:
+            lease = await self._try_place(demand)
+            if lease is not None:
+                return lease
+        if len(self._waiters) >= self._max_depth:
+            raise QueueFull(
+                f"queue for model {self.model!r} is full ({self._max_depth} waiting)",
+                retry_after_s=self.retry_after_s(demand.tokens),
+            )
+        arrival = loop.time()
+        view = WaiterView(
+            seq=next(self._seq),
+            arrival=arrival,
+            demand_tokens=demand.tokens,
+            priority=demand.priority,
+            tenant=demand.tenant,
+        )
+        waiter = _Waiter(view, demand, loop.create_future())
+        self._waiters.append(waiter)
+        self.kick()
+        handed_over = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                lease = await waiter.fut
+            handed_over = True
+            return lease
+        except TimeoutError:
+            waited = loop.time() - arrival
+            raise QueueTimeout(
+                f"no capacity for model {self.model!r} within the deadline: waited "
+                f"{waited * 1000:.0f} ms for {demand.tokens} tokens",
+                retry_after_s=self.retry_after_s(demand.tokens),
+            ) from None
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+                self.kick()  # a blocking head may have left
+            fut = waiter.fut
+            if not handed_over and fut.done() and not fut.cancelled():
+                fut.result().release()  # a grant raced the cancel or the deadline
+
+    # ------------------------------------------------------------------ placing
+    async def _try_place(self, demand: Demand) -> Lease | None:
+        for name in rank_backends(self.rooms(), demand.tokens, self._placement):
+            backend = self._by_name[name]
+            lease_id = uuid.uuid4().hex
+            if await self._ledger.reserve(name, lease_id, demand.tokens, backend.capacity_tokens):
+                lease = Lease(
+                    lease_id=lease_id, backend=backend, demand=demand, on_release=self._released
+                )
+                self._on_event("admit", lease)
+                return lease
+        return None
+
+    def _released(self, lease: Lease) -> None:
+        self._ledger.release(lease.lease_id)
+        self.release_rate.record(lease.tokens)
+        self._on_event("release", lease)
+        self.kick()
+
+    def kick(self) -> None:
+        """Run dispatch soon; safe to call from sync code, coalesces bursts of calls."""
+        if not self._waiters:
+            return
+        if self._dispatching:
+            self._dispatch_again = True
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._dispatching = True
+        task = loop.create_task(self._dispatch())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._dispatch_again = False
+                await self._dispatch_once(loop.time())
+                if not self._dispatch_again:
+                    return
+        finally:
+            self._dispatching = False
+
+    async def _dispatch_once(self, now: float) -> None:
+        order = sorted(self._waiters, key=lambda w: self._ordering.key(w.view, now))
+        for waiter in order:
+            if waiter.fut.done():
+                continue
+            lease = await self._try_place(waiter.demand)
+            if lease is None:
+                if now - waiter.view.arrival >= self._starvation_s:
+                    return  # hold the next room for the starving waiter
+                continue
+            if waiter.fut.done():  # cancelled while the ledger answered
+                lease.release()
+                continue
+            waiter.fut.set_result(lease)
+            self._ordering.on_admit(waiter.view)
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    async def drain(self) -> None:
+        """Wait for scheduled dispatches (used on shutdown and in tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -1,0 +1,402 @@
+"""kvgate's TOML configuration: parsed once at start, every error names its key.
+
+Relative paths (`models.path`, `models.deployment.model_config`) are resolved
+against the config file's directory, so a config and its model files travel together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from policies.ordering import ORDERINGS
+from policies.output import OutputPolicy, OutputPolicyName
+from policies.placement import PlacementName
+from proxy.capacity import Deployment, MemoryBudget
+from proxy.modelconfig import layout_from_hf_config, max_model_len_from_hf_config
+from proxy.units import parse_bytes, parse_count
+
+__all__ = [
+    "BackendConfig",
+    "ConfigError",
+    "KvgateConfig",
+    "LedgerConfig",
+    "ModelConfig",
+    "QueueConfig",
+    "ServerConfig",
+    "load_config",
+    "parse_config",
+]
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    body_limit_bytes: int = 4 * 2**20
+    admin_token: str | None = None
+    health_interval_s: float = 2.0
+    upstream_connect_timeout_s: float = 5.0
+    upstream_read_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueConfig:
+    max_depth: int = 128
+    default_deadline_s: float = 30.0
+    max_deadline_s: float = 120.0
+    ordering: str = "fifo"
+    starvation_s: float = 5.0
+    aging_tokens_per_s: float = 4000.0
+    priority_header: str = "x-kvgate-priority"
+    tenant_header: str = "x-kvgate-tenant"
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerConfig:
+    kind: str = "memory"
+    url: str | None = None
+    lease_ttl_s: float = 30.0
+    key_prefix: str = "kvgate"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackendConfig:
+    name: str
+    url: str
+    api_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    name: str
+    path: Path
+    max_model_len: int
+    output: OutputPolicy
+    placement: PlacementName
+    deployment: Deployment | None
+    block_size: int
+    capacity_tokens: int
+    capacity_source: str  # "measured kv_tokens" or "estimate from ..."
+    backends: tuple[BackendConfig, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KvgateConfig:
+    server: ServerConfig
+    queue: QueueConfig
+    ledger: LedgerConfig
+    models: tuple[ModelConfig, ...]
+    source: Path | None = None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _table(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"`{where}{key}` must be a table")
+    return value
+
+
+def _check_keys(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"unknown key `{where}{unknown[0]}`; expected one of {sorted(allowed)}"
+        )
+
+
+def _num(data: Mapping[str, Any], key: str, where: str, default: float, *, minimum: float) -> float:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"`{where}{key}` must be a number. Given: {value!r}")
+    if value < minimum:
+        raise ConfigError(f"`{where}{key}` must be >= {minimum}. Given: {value}")
+    return float(value)
+
+
+def _int(
+    data: Mapping[str, Any], key: str, where: str, default: int | None, *, minimum: int
+) -> int:
+    value = data.get(key, default)
+    if value is None:
+        raise ConfigError(f"`{where}{key}` is required")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"`{where}{key}` must be an integer. Given: {value!r}")
+    if value < minimum:
+        raise ConfigError(f"`{where}{key}` must be >= {minimum}. Given: {value}")
+    return value
+
+
+def _str(data: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
+    value = data.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"`{where}{key}` must be a non-empty string. Given: {value!r}")
+    return value
+
+
+def _bytes(data: Mapping[str, Any], key: str, where: str) -> int:
+    try:
+        return parse_bytes(data[key], field=f"{where}{key}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def _server(data: Mapping[str, Any]) -> ServerConfig:
+    w = "server."
+    _check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
+                       "upstream_connect_timeout_s", "upstream_read_timeout_s"}, w)
+    listen = _str(data, "listen", w, "127.0.0.1:8080")
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"`server.listen` must be HOST:PORT. Given: {listen!r}")
+    token = data.get("admin_token")
+    if token is not None and not isinstance(token, str):
+        raise ConfigError("`server.admin_token` must be a string")
+    return ServerConfig(
+        host=host.strip("[]") or "127.0.0.1",
+        port=int(port_text),
+        body_limit_bytes=_bytes(data, "body_limit", w) if "body_limit" in data else 4 * 2**20,
+        admin_token=token or None,
+        health_interval_s=_num(data, "health_interval_s", w, 2.0, minimum=0.05),
+        upstream_connect_timeout_s=_num(data, "upstream_connect_timeout_s", w, 5.0, minimum=0.1),
+        upstream_read_timeout_s=_num(data, "upstream_read_timeout_s", w, 600.0, minimum=0.1),
+    )
+
+
+def _queue(data: Mapping[str, Any]) -> QueueConfig:
+    w = "queue."
+    _check_keys(data, {"max_depth", "default_deadline_s", "max_deadline_s", "ordering",
+                       "starvation_s", "aging_tokens_per_s", "priority_header",
+                       "tenant_header", "tenant_weights"}, w)
+    ordering = _str(data, "ordering", w, "fifo")
+    if ordering not in ORDERINGS:
+        raise ConfigError(
+            f"`queue.ordering` must be one of {sorted(ORDERINGS)}. Given: {ordering!r}"
+        )
+    weights = data.get("tenant_weights", {})
+    if not isinstance(weights, Mapping) or not all(
+        isinstance(v, int | float) and v > 0 for v in weights.values()
+    ):
+        raise ConfigError("`queue.tenant_weights` must map tenant names to numbers > 0")
+    default = _num(data, "default_deadline_s", w, 30.0, minimum=0.0)
+    maximum = _num(data, "max_deadline_s", w, max(120.0, default), minimum=0.0)
+    if default > maximum:
+        raise ConfigError(
+            f"`queue.default_deadline_s` {default} exceeds `queue.max_deadline_s` {maximum}"
+        )
+    return QueueConfig(
+        max_depth=_int(data, "max_depth", w, 128, minimum=0),
+        default_deadline_s=default,
+        max_deadline_s=maximum,
+        ordering=ordering,
+        starvation_s=_num(data, "starvation_s", w, 5.0, minimum=0.0),
+        aging_tokens_per_s=_num(data, "aging_tokens_per_s", w, 4000.0, minimum=0.0),
+        priority_header=_str(data, "priority_header", w, "x-kvgate-priority").lower(),
+        tenant_header=_str(data, "tenant_header", w, "x-kvgate-tenant").lower(),
+        tenant_weights={str(k): float(v) for k, v in weights.items()},
+    )
+
+
+def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
+    w = "ledger."
+    _check_keys(data, {"kind", "url", "lease_ttl_s", "key_prefix"}, w)
+    kind = _str(data, "kind", w, "memory")
+    if kind != "memory":
+        # The shared Redis ledger is not part of this release yet.
+        raise ConfigError(f"`ledger.kind` must be 'memory'. Given: {kind!r}")
+    url = data.get("url")
+    if kind == "redis" and not (isinstance(url, str) and url.startswith(("redis://", "rediss://",
+                                                                         "unix://"))):
+        raise ConfigError(f"`ledger.url` must be a redis:// URL for kind 'redis'. Given: {url!r}")
+    return LedgerConfig(
+        kind=kind,
+        url=url,
+        lease_ttl_s=_num(data, "lease_ttl_s", w, 30.0, minimum=1.0),
+        key_prefix=_str(data, "key_prefix", w, "kvgate"),
+    )
+
+
+_DEPLOYMENT_KEYS = {
+    "kv_tokens", "block_size", "model_config", "usable_memory", "gpu_memory_utilization",
+    "weights_bytes", "params", "weight_bits", "reserve_bytes", "overhead", "tp", "pp",
+    "cache_dtype",
+}
+
+
+def _deployment(
+    data: Mapping[str, Any], w: str, model_path: Path, base: Path
+) -> tuple[Deployment | None, int, int, str, int | None]:
+    """-> (deployment, block_size, capacity_tokens, capacity source, max_model_len from config)."""
+    _check_keys(data, _DEPLOYMENT_KEYS, w)
+    block_size = _int(data, "block_size", w, 16, minimum=1)
+    config_path: Path | None = None
+    if "model_config" in data:
+        config_path = base / _str(data, "model_config", w)
+    elif (model_path / "config.json").is_file():
+        config_path = model_path / "config.json"
+    deployment: Deployment | None = None
+    config_len: int | None = None
+    if config_path is not None:
+        try:
+            raw = json.loads(config_path.read_text(encoding="utf-8"))
+            deployment = Deployment(
+                layout=layout_from_hf_config(raw),
+                cache_dtype=_str(data, "cache_dtype", w, "auto"),
+                tp=_int(data, "tp", w, 1, minimum=1),
+                pp=_int(data, "pp", w, 1, minimum=1),
+                block_size=block_size,
+            )
+            config_len = max_model_len_from_hf_config(raw)
+        except (OSError, json.JSONDecodeError, ValueError) as exc:
+            raise ConfigError(f"`{w}model_config` ({config_path}): {exc}") from exc
+    if "kv_tokens" in data:
+        kv_tokens = _int(data, "kv_tokens", w, None, minimum=block_size)
+        capacity = kv_tokens // block_size * block_size
+        return deployment, block_size, capacity, "measured kv_tokens", config_len
+    if deployment is None:
+        raise ConfigError(
+            f"`{w}kv_tokens` is required when the model has no config.json to estimate from"
+        )
+    if "usable_memory" not in data:
+        raise ConfigError(f"`{w}usable_memory` (or a measured `{w}kv_tokens`) is required")
+    if "weights_bytes" in data:
+        weights = _bytes(data, "weights_bytes", w)
+    elif "params" in data:
+        try:
+            params = parse_count(data["params"], field=f"{w}params")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        weights = (params * _int(data, "weight_bits", w, 16, minimum=1) + 7) // 8
+    else:
+        raise ConfigError(f"`{w}weights_bytes` or `{w}params` is required to estimate capacity")
+    try:
+        budget = MemoryBudget(
+            usable_bytes=_bytes(data, "usable_memory", w),
+            weights_bytes=weights,
+            gpu_memory_utilization=_num(data, "gpu_memory_utilization", w, 0.9, minimum=0.01),
+            reserve_bytes=_bytes(data, "reserve_bytes", w) if "reserve_bytes" in data else None,
+            overhead=(_num(data, "overhead", w, 0.0, minimum=0.0) if "overhead" in data else None),
+        )
+    except ValueError as exc:
+        raise ConfigError(f"`{w}`: {exc}") from exc
+    capacity = budget.token_capacity(deployment)
+    if capacity < block_size:
+        raise ConfigError(
+            f"`{w}`: the estimate leaves no KV cache ({budget.kv_pool_bytes(deployment)} bytes "
+            "per device after weights and reserve)"
+        )
+    source = "estimate from config.json and usable_memory"
+    return deployment, block_size, capacity, source, config_len
+
+
+def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
+    w = f"models[{i}]."
+    _check_keys(data, {"name", "path", "max_model_len", "output_policy", "output_cap_tokens",
+                       "placement", "deployment", "backends"}, w)
+    name = _str(data, "name", w)
+    path = base / _str(data, "path", w)
+    if not path.is_dir():
+        raise ConfigError(f"`{w}path` {str(path)!r} is not a directory")
+    policy_name = _str(data, "output_policy", w, "fill")
+    try:
+        output = OutputPolicy(
+            name=OutputPolicyName(policy_name),
+            cap_tokens=data.get("output_cap_tokens"),
+        )
+    except ValueError as exc:
+        raise ConfigError(
+            f"`{w}output_policy`: {exc}; expected one of "
+            f"{sorted(p.value for p in OutputPolicyName)}"
+        ) from exc
+    placement_name = _str(data, "placement", w, "best-fit")
+    try:
+        placement = PlacementName(placement_name)
+    except ValueError as exc:
+        raise ConfigError(
+            f"`{w}placement` must be one of {sorted(p.value for p in PlacementName)}. "
+            f"Given: {placement_name!r}"
+        ) from exc
+    deployment, block_size, capacity, source, config_len = _deployment(
+        _table(data, "deployment", w), f"{w}deployment.", path, base
+    )
+    max_len = data.get("max_model_len", config_len)
+    if max_len is None:
+        raise ConfigError(f"`{w}max_model_len` is required (no config.json gives it)")
+    max_model_len = _int({"max_model_len": max_len}, "max_model_len", w, None, minimum=1)
+    backends_raw = data.get("backends")
+    if not isinstance(backends_raw, list) or not backends_raw:
+        raise ConfigError(f"`{w}backends` must list at least one backend")
+    backends: list[BackendConfig] = []
+    for j, b in enumerate(backends_raw):
+        bw = f"{w}backends[{j}]."
+        if not isinstance(b, Mapping):
+            raise ConfigError(f"`{bw[:-1]}` must be a table")
+        _check_keys(b, {"name", "url", "api_key"}, bw)
+        url = _str(b, "url", bw)
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"`{bw}url` must start with http:// or https://. Given: {url!r}")
+        key = b.get("api_key")
+        backends.append(BackendConfig(
+            name=_str(b, "name", bw, f"{name}-{j}"), url=url,
+            api_key=key if isinstance(key, str) and key else None,
+        ))
+    names = [b.name for b in backends]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"`{w}backends` names must be unique. Given: {names}")
+    return ModelConfig(
+        name=name, path=path, max_model_len=max_model_len, output=output, placement=placement,
+        deployment=deployment, block_size=block_size, capacity_tokens=capacity,
+        capacity_source=source, backends=tuple(backends),
+    )
+
+
+def parse_config(
+    data: Mapping[str, Any], *, base: Path, source: Path | None = None
+) -> KvgateConfig:
+    _check_keys(data, {"server", "queue", "ledger", "models"}, "")
+    models_raw = data.get("models")
+    if not isinstance(models_raw, list) or not models_raw:
+        raise ConfigError("`models` must list at least one [[models]] table")
+    models = tuple(
+        _model(m if isinstance(m, Mapping) else {}, i, base) for i, m in enumerate(models_raw)
+    )
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"`models` names must be unique. Given: {names}")
+    backend_names = [b.name for m in models for b in m.backends]
+    if len(set(backend_names)) != len(backend_names):
+        raise ConfigError(f"backend names must be unique across models. Given: {backend_names}")
+    return KvgateConfig(
+        server=_server(_table(data, "server", "")),
+        queue=_queue(_table(data, "queue", "")),
+        ledger=_ledger(_table(data, "ledger", "")),
+        models=models,
+        source=source,
+    )
+
+
+def load_config(path: str | Path) -> KvgateConfig:
+    file = Path(path)
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {str(file)!r} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(file)!r} is not valid TOML: {exc}") from exc
+    return parse_config(data, base=file.resolve().parent, source=file)

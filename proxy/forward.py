@@ -1,0 +1,119 @@
+"""Forward a request to its backend and stream the answer back unchanged.
+
+One shared `ClientSession` per app (auto_decompress off, so bytes pass through
+as the backend sent them). Foreign client errors become `UpstreamError` in one
+place, `map_upstream_errors`. Before the first byte a failure is a 502; after
+it, an event-stream ends with an SSE `error` event, never a fake `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.errors import UpstreamError
+
+__all__ = ["ForwardResult", "forward", "make_session", "map_upstream_errors"]
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+
+
+def make_session(*, connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
+    """No total timeout: a long generation is not an error. Idle reads and connects are."""
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+    )
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+
+
+@contextlib.contextmanager
+def map_upstream_errors(backend: str) -> Iterator[None]:
+    try:
+        yield
+    except TimeoutError as exc:
+        raise UpstreamError(f"backend {backend!r} timed out") from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"backend {backend!r} failed: {exc}") from exc
+
+
+def _request_headers(
+    incoming: Mapping[str, str], api_key: str | None
+) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for key, value in incoming.items():
+        lower = key.lower()
+        if lower in HOP_BY_HOP or lower.startswith("x-kvgate-"):
+            continue
+        if lower == "authorization" and api_key:
+            continue
+        headers.add(key, value)
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+class ForwardResult:
+    """How the forward ended, for metrics and the request log."""
+
+    __slots__ = ("failed_mid_stream", "first_byte_s", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.first_byte_s: float | None = None
+        self.failed_mid_stream = False
+
+
+async def forward(
+    *,
+    session: aiohttp.ClientSession,
+    request: web.Request,
+    backend_name: str,
+    url: str,
+    api_key: str | None,
+    body: bytes,
+    extra_headers: Mapping[str, str],
+    result: ForwardResult,
+) -> web.StreamResponse:
+    """Send `body` to `url` and stream the answer; raises UpstreamError before the first byte."""
+    started = time.perf_counter()
+    headers = _request_headers(request.headers, api_key)
+    with map_upstream_errors(backend_name):
+        upstream = await session.post(url, data=body, headers=headers)
+    try:
+        result.status = upstream.status
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for key, value in upstream.headers.items():
+            if key.lower() not in HOP_BY_HOP:
+                response.headers.add(key, value)
+        response.headers.update(extra_headers)
+        is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        await response.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                if result.first_byte_s is None:
+                    result.first_byte_s = time.perf_counter() - started
+                await response.write(chunk)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            result.failed_mid_stream = True
+            if is_sse:
+                error = UpstreamError(f"backend {backend_name!r} failed mid-stream: {exc}")
+                await response.write(error.sse_event())
+                await response.write_eof()
+            elif request.transport is not None:
+                request.transport.close()  # a cut body, never a clean-looking end
+            return response
+        if result.first_byte_s is None:
+            result.first_byte_s = time.perf_counter() - started
+        await response.write_eof()
+        return response
+    finally:
+        upstream.close()

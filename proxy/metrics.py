@@ -1,0 +1,109 @@
+"""Every kvgate metric, in one place, behind verbs. Labels are model and backend names
+from the config and codes from the error contract, never raw request strings.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "Metrics", "Outcome"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Outcome(StrEnum):
+    """How a request ended; rejections use their error code as the outcome."""
+
+    COMPLETED = "completed"
+    UPSTREAM_ERROR = "upstream_error"
+    CLIENT_DISCONNECT = "client_disconnect"
+    REJECTED = "rejected"
+
+
+class Metrics:
+    """One registry per proxy instance, so several can live in one process (tests)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self._requests = Counter("kvgate_requests", "Requests by outcome",
+                                 ["model", "outcome"], registry=r)
+        self._rejections = Counter("kvgate_rejections", "Rejections by contract code",
+                                   ["model", "reason"], registry=r)
+        self._queue_wait = Histogram("kvgate_queue_wait_seconds", "Time waiting for capacity",
+                                     ["model"], buckets=_WAIT_BUCKETS, registry=r)
+        self._queue_depth = Gauge("kvgate_queue_depth", "Requests waiting", ["model"], registry=r)
+        self._resident = Gauge("kvgate_resident_tokens", "Tokens reserved now",
+                               ["backend"], registry=r)
+        self._capacity = Gauge("kvgate_capacity_tokens", "KV token capacity",
+                               ["backend"], registry=r)
+        self._resident_seen = Histogram(
+            "kvgate_resident_tokens_observed", "Resident tokens seen at each admit and release",
+            ["backend"], buckets=_TOKEN_BUCKETS, registry=r)
+        self._prompt = Histogram("kvgate_prompt_tokens", "Prompt tokens per request",
+                                 ["model"], buckets=_TOKEN_BUCKETS, registry=r)
+        self._reserved = Histogram("kvgate_reserved_tokens", "Reserved tokens per request",
+                                   ["model"], buckets=_TOKEN_BUCKETS, registry=r)
+        self._tokenize = Histogram("kvgate_tokenize_seconds", "Time to count prompt tokens",
+                                   buckets=_WAIT_BUCKETS, registry=r)
+        self._first_byte = Histogram("kvgate_upstream_first_byte_seconds",
+                                     "Upstream time to first byte", ["backend"],
+                                     buckets=_WAIT_BUCKETS, registry=r)
+        self._inflight = Gauge("kvgate_inflight_requests", "Requests holding a lease",
+                               ["backend"], registry=r)
+        self._inflight_peak = Gauge("kvgate_inflight_requests_peak",
+                                    "Peak concurrent requests since start", ["backend"],
+                                    registry=r)
+        self._headroom_min = Gauge("kvgate_headroom_tokens_min",
+                                   "Least free capacity seen since start", ["backend"],
+                                   registry=r)
+        self._peaks: dict[str, int] = {}
+        self._headroom: dict[str, int] = {}
+
+    def backend_configured(self, backend: str, capacity_tokens: int) -> None:
+        self._capacity.labels(backend).set(capacity_tokens)
+        self._resident.labels(backend).set(0)
+        self._inflight.labels(backend).set(0)
+        self._inflight_peak.labels(backend).set(0)
+        self._headroom.setdefault(backend, capacity_tokens)
+        self._headroom_min.labels(backend).set(self._headroom[backend])
+
+    def backend_state(self, backend: str, *, resident: int, capacity: int, inflight: int) -> None:
+        self._resident.labels(backend).set(resident)
+        self._resident_seen.labels(backend).observe(resident)
+        self._inflight.labels(backend).set(inflight)
+        if inflight > self._peaks.get(backend, 0):
+            self._peaks[backend] = inflight
+            self._inflight_peak.labels(backend).set(inflight)
+        headroom = capacity - resident
+        if headroom < self._headroom.get(backend, capacity):
+            self._headroom[backend] = headroom
+            self._headroom_min.labels(backend).set(headroom)
+
+    def queue_depth(self, model: str, depth: int) -> None:
+        self._queue_depth.labels(model).set(depth)
+
+    def counted(self, model: str, *, prompt_tokens: int, seconds: float) -> None:
+        self._prompt.labels(model).observe(prompt_tokens)
+        self._tokenize.observe(seconds)
+
+    def admitted(self, model: str, *, reserved_tokens: int, waited_s: float) -> None:
+        self._reserved.labels(model).observe(reserved_tokens)
+        self._queue_wait.labels(model).observe(waited_s)
+
+    def first_byte(self, backend: str, seconds: float) -> None:
+        self._first_byte.labels(backend).observe(seconds)
+
+    def finished(self, model: str, outcome: str) -> None:
+        self._requests.labels(model, outcome).inc()
+
+    def rejected(self, model: str, reason: str) -> None:
+        self._rejections.labels(model, reason).inc()
+        self._requests.labels(model, Outcome.REJECTED).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,462 @@
+"""HTTP routes and wiring: parse, call the core, serialize. Nothing is decided here.
+
+Request path: read (size-limited) -> validate -> resolve model -> count (thread pool)
+-> output policy and context check -> demand -> acquire (reserve or queue) ->
+forward -> release in `finally`, exactly once, on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from policies.ordering import make_ordering
+from policies.output import decide_output
+from proxy.admission import AdmissionController, Backend, Demand, Lease
+from proxy.capacity import cdiv
+from proxy.config import KvgateConfig, ModelConfig
+from proxy.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    KvgateError,
+    MaxTokensRequired,
+    ModelNotFound,
+    RequestTooLarge,
+)
+from proxy.forward import ForwardResult, forward, make_session
+from proxy.ledger import Ledger, MemoryLedger
+from proxy.metrics import CONTENT_TYPE, Metrics, Outcome
+from proxy.tokenize import TemplateError, TokenCounter, load_counter
+from proxy.validation import Endpoint, ValidRequest, validate
+
+__all__ = ["ProxyState", "build_app", "start_proxy"]
+
+log = logging.getLogger("kvgate.request")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # what vLLM and OpenAI generate when it is absent
+
+
+class ModelRuntime:
+    """A served model: its counter, its config and its admission controller."""
+
+    def __init__(self, config: ModelConfig, controller: AdmissionController) -> None:
+        self.config = config
+        self.counter: TokenCounter = load_counter(config.path, name=config.name)
+        self.controller = controller
+
+    def ledger_tokens(self, resident_tokens: int) -> int:
+        """Block-rounded ledger tokens (token-equivalents for hybrid layouts)."""
+        if self.config.deployment is not None:
+            return self.config.deployment.ledger_tokens(resident_tokens)
+        return cdiv(resident_tokens, self.config.block_size) * self.config.block_size
+
+
+class ProxyState:
+    def __init__(self, config: KvgateConfig, ledger: Ledger, metrics: Metrics) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.metrics = metrics
+        self.models: dict[str, ModelRuntime] = {}
+        self.session: aiohttp.ClientSession | None = None
+        for mc in config.models:
+            backends = [
+                Backend(name=b.name, url=b.url, api_key=b.api_key,
+                        capacity_tokens=mc.capacity_tokens)
+                for b in mc.backends
+            ]
+            controller = AdmissionController(
+                model=mc.name,
+                backends=backends,
+                ledger=ledger,
+                ordering=make_ordering(config.queue.ordering,
+                                       weights=config.queue.tenant_weights,
+                                       aging_tokens_per_s=config.queue.aging_tokens_per_s),
+                placement=mc.placement,
+                max_queue_depth=config.queue.max_depth,
+                starvation_s=config.queue.starvation_s,
+                on_event=self._on_lease_event,
+            )
+            self.models[mc.name] = ModelRuntime(mc, controller)
+            for b in backends:
+                metrics.backend_configured(b.name, b.capacity_tokens)
+
+    def _on_lease_event(self, kind: str, lease: Lease | None) -> None:
+        if lease is None:
+            return
+        b = lease.backend
+        self.metrics.backend_state(
+            b.name, resident=self.ledger.resident(b.name), capacity=b.capacity_tokens,
+            inflight=b.inflight,
+        )
+
+    def backends(self) -> list[Backend]:
+        return [b for m in self.models.values() for b in m.controller.backends]
+
+
+STATE_KEY = web.AppKey("state", ProxyState)
+
+
+@dataclass(slots=True)
+class _Trace:
+    """Per-request facts for headers, metrics and the log line."""
+
+    request_id: str
+    model: str = "-"
+    backend: str = "-"
+    prompt_tokens: int | None = None
+    reserved_tokens: int | None = None
+    queue_wait_ms: float = 0.0
+    output_cap: int | None = None
+    outcome: str = Outcome.COMPLETED
+
+    def headers(self) -> dict[str, str]:
+        out = {"x-kvgate-queue-wait-ms": f"{self.queue_wait_ms:.1f}",
+               "x-kvgate-request-id": self.request_id}
+        if self.prompt_tokens is not None:
+            out["x-kvgate-prompt-tokens"] = str(self.prompt_tokens)
+        if self.reserved_tokens is not None:
+            out["x-kvgate-reserved-tokens"] = str(self.reserved_tokens)
+        if self.output_cap is not None:
+            out["x-kvgate-output-cap"] = str(self.output_cap)
+        return out
+
+
+TRACE_KEY = "kvgate_trace"
+_ENDED = frozenset({Outcome.COMPLETED, Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECT})
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """The one place a `KvgateError` becomes an HTTP answer."""
+    try:
+        return await handler(request)
+    except KvgateError as exc:
+        trace: _Trace | None = request.get(TRACE_KEY)
+        headers = exc.headers()
+        if trace is not None:
+            headers.update(trace.headers())
+            trace.outcome = exc.code
+            state = request.app[STATE_KEY]
+            if trace.model in state.models:
+                state.metrics.rejected(trace.model, exc.code)
+        return web.json_response(exc.to_body(), status=exc.status, headers=headers)
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise RequestTooLarge(
+            f"request body is {declared} bytes; the limit is {limit} bytes", param="body"
+        )
+    body = await request.content.read(limit + 1)
+    if len(body) > limit:
+        raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes", param="body")
+    return body
+
+
+def _deadline(request: web.Request, state: ProxyState) -> float:
+    q = state.config.queue
+    wait_s = q.default_deadline_s
+    header = request.headers.get("x-kvgate-deadline-ms")
+    if header is not None:
+        try:
+            asked = float(header) / 1000
+        except ValueError:
+            raise InvalidRequest(
+                f"`x-kvgate-deadline-ms` must be a number of milliseconds. Given: {header!r}",
+                param="x-kvgate-deadline-ms",
+            ) from None
+        if not asked >= 0:
+            raise InvalidRequest("`x-kvgate-deadline-ms` must be >= 0",
+                                 param="x-kvgate-deadline-ms")
+        wait_s = asked  # clients may shorten, never lengthen past the maximum
+    return asyncio.get_running_loop().time() + min(wait_s, q.max_deadline_s)
+
+
+def _tenant(request: web.Request, state: ProxyState) -> str:
+    tenant = request.headers.get(state.config.queue.tenant_header)
+    if tenant:
+        return tenant[:64]
+    auth = request.headers.get("Authorization", "")
+    return hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else ""
+
+
+async def _count(model: ModelRuntime, req: ValidRequest) -> list[int]:
+    try:
+        if req.chat is not None:
+            return [await model.counter.count_chat_async(req.chat)]
+        return [await model.counter.count_prompt_async(p) for p in req.prompts]
+    except TemplateError as exc:
+        raise InvalidRequest(str(exc), param="messages") from exc
+
+
+def _demand(
+    model: ModelRuntime, req: ValidRequest, prompts: list[int], trace: _Trace,
+    request: web.Request, state: ProxyState,
+) -> tuple[Demand, int | None]:
+    """Output reservation and context check per prompt; -> (demand, max_tokens to set)."""
+    cfg = model.config
+    total = 0
+    reserve_out = 0
+    set_to: int | None = None
+    for prompt_tokens in prompts:
+        engine_default = (
+            cfg.max_model_len - prompt_tokens
+            if req.endpoint is Endpoint.CHAT
+            else COMPLETIONS_DEFAULT_MAX_TOKENS
+        )
+        decision = decide_output(cfg.output, requested=req.max_tokens,
+                                 engine_default=max(0, engine_default))
+        if decision.missing:
+            raise MaxTokensRequired(
+                f"model {cfg.name!r} requires `max_tokens` (or `max_completion_tokens`): "
+                "kvgate reserves KV cache for every output token a request may generate",
+                param="max_tokens",
+            )
+        if prompt_tokens + decision.max_tokens > cfg.max_model_len or decision.max_tokens < 1:
+            raise ContextLengthExceeded(
+                max_model_len=cfg.max_model_len, prompt_tokens=prompt_tokens,
+                max_tokens=decision.max_tokens,
+            )
+        set_to = decision.set_max_tokens
+        reserve_out = decision.max_tokens
+        total += req.n * model.ledger_tokens(prompt_tokens + decision.max_tokens)
+    priority = request.headers.get(state.config.queue.priority_header, "")[:32]
+    demand = Demand(tokens=total, prompt_tokens=sum(prompts), max_tokens=reserve_out, n=req.n,
+                    priority=priority, tenant=_tenant(request, state))
+    return demand, set_to
+
+
+async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    trace = _Trace(request_id=uuid.uuid4().hex[:16])
+    request[TRACE_KEY] = trace
+    started = time.perf_counter()
+    try:
+        return await _serve(request, endpoint, state, trace)
+    finally:
+        if trace.model in state.models and trace.outcome in _ENDED:
+            state.metrics.finished(trace.model, trace.outcome)
+        log.info(json.dumps({
+            "id": trace.request_id, "model": trace.model, "backend": trace.backend,
+            "prompt_tokens": trace.prompt_tokens, "reserved_tokens": trace.reserved_tokens,
+            "queue_wait_ms": round(trace.queue_wait_ms, 1), "outcome": str(trace.outcome),
+            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+        }))
+
+
+async def _serve(
+    request: web.Request, endpoint: Endpoint, state: ProxyState, trace: _Trace
+) -> web.StreamResponse:
+    raw = await _read_body(request, state.config.server.body_limit_bytes)
+    req = validate(raw, endpoint)
+    model = state.models.get(req.model)
+    if model is None:
+        raise ModelNotFound(
+            f"The model `{req.model}` does not exist. Served models: {sorted(state.models)}",
+            param="model",
+        )
+    trace.model = model.config.name
+    t0 = time.perf_counter()
+    prompts = await _count(model, req)
+    trace.prompt_tokens = sum(prompts)
+    state.metrics.counted(model.config.name, prompt_tokens=trace.prompt_tokens,
+                          seconds=time.perf_counter() - t0)
+    demand, set_to = _demand(model, req, prompts, trace, request, state)
+    trace.reserved_tokens = demand.tokens
+    trace.output_cap = set_to
+    deadline = _deadline(request, state)
+    controller = model.controller
+    queued_at = asyncio.get_running_loop().time()
+    state.metrics.queue_depth(model.config.name, controller.queue_depth + 1)
+    try:
+        lease = await controller.acquire(demand, deadline)
+    except asyncio.CancelledError:
+        trace.outcome = Outcome.CLIENT_DISCONNECT
+        raise
+    finally:
+        trace.queue_wait_ms = (asyncio.get_running_loop().time() - queued_at) * 1000
+        state.metrics.queue_depth(model.config.name, controller.queue_depth)
+    try:
+        trace.backend = lease.backend.name
+        state.metrics.admitted(model.config.name, reserved_tokens=demand.tokens,
+                               waited_s=trace.queue_wait_ms / 1000)
+        body = raw
+        if set_to is not None:
+            body = json.dumps({**req.body, req.max_tokens_field: set_to}).encode()
+        path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/completions"
+        result = ForwardResult()
+        assert state.session is not None
+        try:
+            response = await forward(
+                session=state.session, request=request, backend_name=lease.backend.name,
+                url=lease.backend.url + path, api_key=lease.backend.api_key, body=body,
+                extra_headers=trace.headers(), result=result,
+            )
+        except KvgateError:
+            trace.outcome = Outcome.UPSTREAM_ERROR
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            trace.outcome = Outcome.CLIENT_DISCONNECT
+            raise
+        if result.first_byte_s is not None:
+            state.metrics.first_byte(lease.backend.name, result.first_byte_s)
+        if result.failed_mid_stream:
+            trace.outcome = Outcome.UPSTREAM_ERROR
+        return response
+    finally:
+        lease.release()
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _infer(request, Endpoint.CHAT)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _infer(request, Endpoint.COMPLETIONS)
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "kvgate",
+         "max_model_len": m.config.max_model_len}
+        for name, m in state.models.items()
+    ]})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    missing = [name for name, m in state.models.items()
+               if not any(b.healthy for b in m.controller.backends)]
+    if missing:
+        return web.json_response({"ready": False, "models_without_backend": missing}, status=503)
+    return web.json_response({"ready": True})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    for m in state.models.values():
+        state.metrics.queue_depth(m.config.name, m.controller.queue_depth)
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _admin_state(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    token = state.config.server.admin_token
+    if token is not None:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if given != token:
+            return web.json_response({"error": {"message": "admin token required",
+                                                "type": "authentication_error",
+                                                "code": "unauthorized", "param": None}},
+                                     status=401)
+    now = asyncio.get_running_loop().time()
+    out: dict[str, Any] = {"models": {}}
+    for name, m in state.models.items():
+        c = m.controller
+        out["models"][name] = {
+            "queue_depth": c.queue_depth,
+            "oldest_wait_ms": round(c.oldest_wait_s(now) * 1000, 1),
+            "queued_tokens": c.queued_tokens(),
+            "capacity_source": m.config.capacity_source,
+            "backends": {
+                b.name: {"url": b.url, "healthy": b.healthy,
+                         "capacity_tokens": b.capacity_tokens,
+                         "resident_tokens": state.ledger.resident(b.name),
+                         "leases": state.ledger.lease_count(b.name),
+                         "inflight": b.inflight}
+                for b in c.backends
+            },
+        }
+    return web.json_response(out)
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE_KEY]
+    server = state.config.server
+    state.session = make_session(connect_timeout_s=server.upstream_connect_timeout_s,
+                                 read_timeout_s=server.upstream_read_timeout_s)
+    yield
+    await state.session.close()
+
+
+async def _probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
+    try:
+        async with session.get(f"{backend.url}/health",
+                               timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+            return resp.status < 500
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def _health_loop(state: ProxyState) -> None:
+    interval = state.config.server.health_interval_s
+    while True:
+        assert state.session is not None
+        for model in state.models.values():
+            for backend in model.controller.backends:
+                healthy = await _probe(state.session, backend)
+                if healthy != backend.healthy:
+                    logging.getLogger("kvgate").warning(
+                        "backend %s is %s", backend.name, "healthy" if healthy else "unhealthy")
+                    backend.healthy = healthy
+                    if healthy:
+                        model.controller.kick()
+        await asyncio.sleep(interval)
+
+
+async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.get_running_loop().create_task(_health_loop(app[STATE_KEY]))
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def build_app(config: KvgateConfig, *, ledger: Ledger | None = None) -> web.Application:
+    app = web.Application(middlewares=[error_middleware])
+    app[STATE_KEY] = ProxyState(config, ledger or MemoryLedger(), Metrics())
+    app.cleanup_ctx.append(_session_ctx)
+    app.cleanup_ctx.append(_health_ctx)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/state", _admin_state)
+    return app
+
+
+async def start_proxy(
+    config: KvgateConfig, *, host: str | None = None, port: int | None = None,
+    ledger: Ledger | None = None,
+) -> web.AppRunner:
+    """Start the proxy (port 0 picks a free one). handler_cancellation: a client that
+    leaves cancels its handler, so a queued waiter leaves at once and a stream stops."""
+    runner = web.AppRunner(build_app(config, ledger=ledger), handler_cancellation=True,
+                           access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host or config.server.host,
+                       config.server.port if port is None else port)
+    await site.start()
+    return runner
