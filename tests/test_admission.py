@@ -1,0 +1,345 @@
+"""The admission core without sockets: ledger, queue, deadlines, policies, contract."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+import proxy.errors as errors_module
+from policies.ordering import Fifo, PriorityFairShare, ShortestFirst, WaiterView, make_ordering
+from policies.output import OutputPolicy, OutputPolicyName, decide_output
+from policies.placement import BackendRoom, PlacementName, rank_backends
+from proxy.admission import AdmissionController, Backend, Demand, ReleaseRate
+from proxy.errors import (
+    ERROR_TABLE,
+    ContextLengthExceeded,
+    KvgateError,
+    NoBackend,
+    QueueFull,
+    QueueTimeout,
+    RequestTooLarge,
+)
+from proxy.ledger import MemoryLedger
+
+
+def controller(
+    capacity: int = 100, *, backends: int = 1, depth: int = 8, starvation_s: float = 5.0,
+    ordering: str = "fifo",
+) -> tuple[AdmissionController, MemoryLedger]:
+    ledger = MemoryLedger()
+    bs = [Backend(name=f"b{i}", url=f"http://127.0.0.1:{9000 + i}", capacity_tokens=capacity)
+          for i in range(backends)]
+    return AdmissionController(model="m", backends=bs, ledger=ledger,
+                               ordering=make_ordering(ordering), max_queue_depth=depth,
+                               starvation_s=starvation_s), ledger
+
+
+def demand(tokens: int, **kw: object) -> Demand:
+    return Demand(tokens=tokens, prompt_tokens=tokens // 2, max_tokens=tokens - tokens // 2,
+                  **kw)  # type: ignore[arg-type]
+
+
+def soon(seconds: float = 5.0) -> float:
+    return asyncio.get_running_loop().time() + seconds
+
+
+# ------------------------------------------------------------------ ledger
+
+
+def test_reserve_over_capacity_returns_false() -> None:
+    ledger = MemoryLedger()
+    assert ledger.reserve_now("a", "l1", 60, 100) is True
+    assert ledger.reserve_now("a", "l2", 41, 100) is False
+    assert ledger.reserve_now("a", "l3", 40, 100) is True
+    assert ledger.resident("a") == 100
+    assert ledger.lease_count("a") == 2
+
+
+def test_release_twice_is_noop() -> None:
+    ledger = MemoryLedger()
+    ledger.reserve_now("a", "l1", 60, 100)
+    ledger.release("l1")
+    ledger.release("l1")
+    assert ledger.resident("a") == 0
+    with pytest.raises(ValueError, match="already recorded"):
+        ledger.reserve_now("a", "l2", 1, 100)
+        ledger.reserve_now("a", "l2", 1, 100)
+
+
+# ------------------------------------------------------------------ acquire
+
+
+def test_acquire_admits_at_once_and_release_returns_capacity() -> None:
+    async def scenario() -> None:
+        c, ledger = controller()
+        lease = await c.acquire(demand(60), soon())
+        assert ledger.resident("b0") == 60
+        lease.release()
+        lease.release()
+        assert ledger.resident("b0") == 0
+        assert c.backends[0].inflight == 0
+
+    asyncio.run(scenario())
+
+
+def test_waiter_admitted_when_capacity_released() -> None:
+    async def scenario() -> None:
+        c, ledger = controller()
+        first = await c.acquire(demand(80), soon())
+        waiting = asyncio.create_task(c.acquire(demand(50), soon()))
+        await asyncio.sleep(0.01)
+        assert c.queue_depth == 1 and not waiting.done()
+        first.release()
+        second = await asyncio.wait_for(waiting, 1)
+        assert ledger.resident("b0") == 50
+        second.release()
+        assert ledger.resident("b0") == 0
+
+    asyncio.run(scenario())
+
+
+def test_waiter_deadline_passed_raises_queue_timeout() -> None:
+    async def scenario() -> None:
+        c, ledger = controller()
+        held = await c.acquire(demand(80), soon())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(QueueTimeout, match=r"waited \d+ ms for 50 tokens") as info:
+            await c.acquire(demand(50), loop.time() + 0.1)
+        assert 0.1 <= loop.time() - t0 < 0.2
+        assert info.value.status == 429
+        assert "Retry-After" in info.value.headers()
+        assert c.queue_depth == 0
+        held.release()
+        assert ledger.resident("b0") == 0
+
+    asyncio.run(scenario())
+
+
+def test_queue_full_rejects_with_retry_after() -> None:
+    async def scenario() -> None:
+        c, _ = controller(depth=2)
+        held = await c.acquire(demand(100), soon())
+        waiters = [asyncio.create_task(c.acquire(demand(10), soon())) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull, match=r"full \(2 waiting\)") as info:
+            await c.acquire(demand(10), soon())
+        headers = info.value.headers()
+        assert int(headers["Retry-After"]) >= 1 and int(headers["retry-after-ms"]) >= 1
+        held.release()
+        for lease in await asyncio.gather(*waiters):
+            lease.release()
+
+    asyncio.run(scenario())
+
+
+def test_demand_larger_than_any_backend_is_request_too_large() -> None:
+    async def scenario() -> None:
+        c, _ = controller(capacity=100)
+        with pytest.raises(RequestTooLarge, match="exceeds the largest backend capacity 100"):
+            await c.acquire(demand(101), soon())
+
+    asyncio.run(scenario())
+
+
+def test_no_healthy_backend_is_no_backend() -> None:
+    async def scenario() -> None:
+        c, _ = controller()
+        c.backends[0].healthy = False
+        with pytest.raises(NoBackend):
+            await c.acquire(demand(1), soon())
+
+    asyncio.run(scenario())
+
+
+def test_cancelled_waiter_leaves_queue_and_holds_nothing() -> None:
+    async def scenario() -> None:
+        c, ledger = controller()
+        held = await c.acquire(demand(100), soon())
+        task = asyncio.create_task(c.acquire(demand(30), soon()))
+        await asyncio.sleep(0.01)
+        assert c.queue_depth == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert c.queue_depth == 0
+        held.release()
+        await c.drain()
+        assert ledger.resident("b0") == 0
+
+    asyncio.run(scenario())
+
+
+def test_grant_racing_cancel_is_released() -> None:
+    async def scenario() -> None:
+        c, ledger = controller()
+        held = await c.acquire(demand(100), soon())
+        task = asyncio.create_task(c.acquire(demand(30), soon()))
+        await asyncio.sleep(0.01)
+        held.release()  # schedules a dispatch that grants the waiter...
+        await asyncio.sleep(0)  # ...which runs now, resolving its future
+        task.cancel()  # the client leaves before the waiter resumes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await c.drain()
+        assert ledger.resident("b0") == 0
+
+    asyncio.run(scenario())
+
+
+def test_small_requests_backfill_past_a_big_head_until_it_starves() -> None:
+    async def scenario() -> None:
+        c, ledger = controller(capacity=100, starvation_s=0.2)
+        held = [await c.acquire(demand(40), soon()), await c.acquire(demand(40), soon())]
+        big = asyncio.create_task(c.acquire(demand(90), soon()))
+        await asyncio.sleep(0.01)
+        small = await asyncio.wait_for(c.acquire(demand(20), soon()), 1)  # backfills
+        assert not big.done()
+        small.release()
+        await asyncio.sleep(0.25)  # the big head now starves: nobody passes it
+        blocked = asyncio.create_task(c.acquire(demand(20), soon()))
+        await asyncio.sleep(0.05)
+        assert not blocked.done()
+        for lease in held:
+            lease.release()
+        big_lease = await asyncio.wait_for(big, 1)
+        assert not blocked.done()
+        big_lease.release()
+        (await asyncio.wait_for(blocked, 1)).release()
+        assert ledger.resident("b0") == 0
+
+    asyncio.run(scenario())
+
+
+def test_best_fit_packs_and_spreads_over_backends() -> None:
+    async def scenario() -> None:
+        c, ledger = controller(capacity=100, backends=2)
+        a = await c.acquire(demand(60), soon())
+        b = await c.acquire(demand(30), soon())  # best fit: same backend, 10 left there
+        assert a.backend is b.backend
+        d = await c.acquire(demand(50), soon())  # does not fit there: the other one
+        assert d.backend is not a.backend
+        for lease in (a, b, d):
+            lease.release()
+        assert ledger.resident("b0") == ledger.resident("b1") == 0
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ policies
+
+
+def view(seq: int, arrival: float, tokens: int, priority: str = "", tenant: str = "") -> WaiterView:
+    return WaiterView(seq=seq, arrival=arrival, demand_tokens=tokens, priority=priority,
+                      tenant=tenant)
+
+
+def test_fifo_orders_by_arrival() -> None:
+    waiters = [view(2, 0, 10), view(0, 0, 900), view(1, 0, 5)]
+    assert [w.seq for w in sorted(waiters, key=lambda w: Fifo().key(w, 0))] == [0, 1, 2]
+
+
+def test_shortest_first_ages_long_requests_ahead() -> None:
+    policy = ShortestFirst(aging_tokens_per_s=1000)
+    old_big = view(0, arrival=0.0, tokens=30_000)
+    new_small = view(1, arrival=19.5, tokens=1_000)
+    # at 20 s: small ranks 1000 - 500 = 500, big 30000 - 20000 = 10000
+    assert policy.key(new_small, 20.0) < policy.key(old_big, 20.0)
+    # after 31 s the big one ranks as -1000 tokens: ahead of any fresh 1,000-token request
+    assert policy.key(old_big, 31.0) < policy.key(view(2, 31.0, 1_000), 31.0)
+
+
+def test_priority_classes_then_weighted_fair_share() -> None:
+    policy = PriorityFairShare(weights={"gold": 2.0})
+    assert policy.key(view(5, 0, 10, "high", "x"), 0) < policy.key(view(1, 0, 10, "low", "x"), 0)
+    policy.on_admit(view(0, 0, 1000, "normal", "gold"))  # 500 weighted
+    policy.on_admit(view(1, 0, 1000, "normal", "free"))  # 1000 weighted
+    assert policy.key(view(2, 0, 10, "normal", "gold"), 0) < policy.key(
+        view(3, 0, 10, "normal", "free"), 0
+    )
+
+
+def test_unknown_ordering_lists_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown ordering 'lifo'; expected one of"):
+        make_ordering("lifo")
+
+
+def test_output_policies() -> None:
+    fill = OutputPolicy(name=OutputPolicyName.FILL)
+    assert decide_output(fill, requested=None, engine_default=8000).max_tokens == 8000
+    assert decide_output(fill, requested=100, engine_default=8000).max_tokens == 100
+    req = OutputPolicy(name=OutputPolicyName.REQUIRE)
+    assert decide_output(req, requested=None, engine_default=8000).missing
+    cap = OutputPolicy(name=OutputPolicyName.CAP, cap_tokens=512)
+    d = decide_output(cap, requested=None, engine_default=8000)
+    assert (d.max_tokens, d.set_max_tokens) == (512, 512)
+    d = decide_output(cap, requested=100, engine_default=8000)
+    assert (d.max_tokens, d.set_max_tokens) == (100, None)
+    with pytest.raises(ValueError, match="needs `output_cap_tokens`"):
+        OutputPolicy(name=OutputPolicyName.CAP)
+
+
+def test_placement_rankings() -> None:
+    rooms = [BackendRoom(name="a", capacity_tokens=100, resident_tokens=50),
+             BackendRoom(name="b", capacity_tokens=100, resident_tokens=10),
+             BackendRoom(name="c", capacity_tokens=100, resident_tokens=95)]
+    assert rank_backends(rooms, 20, PlacementName.BEST_FIT) == ["a", "b"]
+    assert rank_backends(rooms, 20, PlacementName.LEAST_RESIDENT) == ["b", "a"]
+
+
+def test_release_rate_drives_retry_after() -> None:
+    now = [0.0]
+    rate = ReleaseRate(window_s=30, clock=lambda: now[0])
+    assert rate.wait_s(1000) == 1.0  # nothing known: the floor
+    for t in range(10):
+        now[0] = float(t)
+        rate.record(100)
+    # 1000 tokens over 9 s ~ 111 tokens/s: 2,000 tokens ahead -> 18 s
+    assert rate.wait_s(2000) == pytest.approx(18.0)
+    assert rate.wait_s(10**9) == 60.0
+
+
+# ------------------------------------------------------------------ contract
+
+
+def test_every_error_class_has_a_table_row_and_back() -> None:
+    classes = {
+        obj for obj in vars(errors_module).values()
+        if isinstance(obj, type) and issubclass(obj, KvgateError) and obj is not KvgateError
+    }
+    assert classes == set(ERROR_TABLE.values())
+    assert all(ERROR_TABLE[c.code] is c for c in classes)
+    expected = {
+        "invalid_request": 400, "context_length_exceeded": 400, "max_tokens_required": 400,
+        "model_not_found": 404, "request_too_large": 413, "queue_full": 429,
+        "queue_timeout": 429, "no_backend": 503, "ledger_unavailable": 503,
+        "upstream_error": 502,
+    }
+    assert {code: cls.status for code, cls in ERROR_TABLE.items()} == expected
+
+
+def test_non_retryable_errors_say_so_and_context_message_wording() -> None:
+    err = ContextLengthExceeded(max_model_len=8192, prompt_tokens=100, max_tokens=9000)
+    assert err.headers() == {"x-should-retry": "false"}
+    assert err.message == (
+        "This model's maximum context length is 8192 tokens. However, you requested 9100 "
+        "tokens (100 in the messages, 9000 in the completion). Please reduce the length of "
+        "the messages or completion."
+    )
+    assert err.to_body()["error"] == {"message": err.message, "type": "invalid_request_error",
+                                      "code": "context_length_exceeded", "param": "messages"}
+    assert err.sse_event().startswith(b"event: error\ndata: {")
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["proxy.capacity", "proxy.ledger", "proxy.admission", "proxy.errors", "proxy.metrics",
+     "proxy.tokenize", "proxy.validation", "proxy.config", "policies.ordering",
+     "policies.output", "policies.placement"],
+)
+def test_core_module_does_not_import_aiohttp(module: str) -> None:
+    code = f"import sys, {module}; assert 'aiohttp' not in sys.modules, '{module}'"
+    subprocess.run([sys.executable, "-c", code], check=True)
