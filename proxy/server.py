@@ -32,6 +32,7 @@ from proxy.errors import (
     MaxTokensRequired,
     ModelNotFound,
     RequestTooLarge,
+    UpstreamError,
 )
 from proxy.forward import ForwardResult, forward, make_session
 from proxy.ledger import Ledger, MemoryLedger
@@ -131,27 +132,32 @@ class _Trace:
         return out
 
 
-TRACE_KEY = "kvgate_trace"
 _ENDED = frozenset({Outcome.COMPLETED, Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECT})
+
+
+def _error_response(state: ProxyState, exc: KvgateError, trace: _Trace | None) -> web.Response:
+    """The one place a `KvgateError` becomes an HTTP answer."""
+    headers = exc.headers()
+    if trace is not None:
+        headers.update(trace.headers())
+        if isinstance(exc, UpstreamError):
+            trace.outcome = Outcome.UPSTREAM_ERROR  # admitted, then failed: not a rejection
+        else:
+            trace.outcome = exc.code
+            if trace.model in state.models:
+                state.metrics.rejected(trace.model, exc.code)
+    return web.json_response(exc.to_body(), status=exc.status, headers=headers)
 
 
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """The one place a `KvgateError` becomes an HTTP answer."""
+    """Errors raised outside the inference path (no trace) get the same contract."""
     try:
         return await handler(request)
     except KvgateError as exc:
-        trace: _Trace | None = request.get(TRACE_KEY)
-        headers = exc.headers()
-        if trace is not None:
-            headers.update(trace.headers())
-            trace.outcome = exc.code
-            state = request.app[STATE_KEY]
-            if trace.model in state.models:
-                state.metrics.rejected(trace.model, exc.code)
-        return web.json_response(exc.to_body(), status=exc.status, headers=headers)
+        return _error_response(request.app[STATE_KEY], exc, None)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -242,10 +248,11 @@ def _demand(
 async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     trace = _Trace(request_id=uuid.uuid4().hex[:16])
-    request[TRACE_KEY] = trace
     started = time.perf_counter()
     try:
         return await _serve(request, endpoint, state, trace)
+    except KvgateError as exc:
+        return _error_response(state, exc, trace)
     finally:
         if trace.model in state.models and trace.outcome in _ENDED:
             state.metrics.finished(trace.model, trace.outcome)

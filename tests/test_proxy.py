@@ -1,0 +1,428 @@
+"""The proxy end to end over loopback: the official SDK, rejections, overload, releases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from proxy.sim.server import bound_port
+from tests.support.stack import MODEL, Stack, running_stack
+
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="test", max_retries=0)
+
+
+async def settle(stack: Stack) -> None:
+    """Wait until every lease is back and the queue is empty."""
+    async with asyncio.timeout(5):
+        while any(stack.resident().values()) or any(
+            m.controller.queue_depth for m in stack.state.models.values()
+        ):
+            await asyncio.sleep(0.01)
+
+
+def test_sdk_answers_arrive_unchanged_streaming_and_not() -> None:
+    async def scenario() -> None:
+        async with running_stack() as stack, aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": MSGS, "max_tokens": 12}
+            async with s.post(f"{stack.sims[0]}/v1/chat/completions", json=body) as resp:
+                direct = await resp.json()
+            sdk = client(stack)
+            raw = await sdk.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MSGS, max_tokens=12)  # type: ignore[arg-type]
+            answer = raw.parse()
+            assert answer.choices[0].message.content == direct["choices"][0]["message"]["content"]
+            assert answer.choices[0].finish_reason == "length"
+            assert answer.usage is not None and answer.usage.completion_tokens == 12
+            assert answer.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
+            assert raw.headers["x-kvgate-prompt-tokens"] == str(answer.usage.prompt_tokens)
+            # prompt + 12 output tokens, rounded up to 16-token blocks
+            reserved = -(-(answer.usage.prompt_tokens + 12) // 16) * 16
+            assert raw.headers["x-kvgate-reserved-tokens"] == str(reserved)
+            assert float(raw.headers["x-kvgate-queue-wait-ms"]) >= 0
+
+            stream = await sdk.chat.completions.create(
+                model=MODEL, messages=MSGS, max_tokens=12, stream=True)  # type: ignore[arg-type]
+            pieces, reasons = [], []
+            async for chunk in stream:
+                if chunk.choices:
+                    pieces.append(chunk.choices[0].delta.content or "")
+                    reasons.append(chunk.choices[0].finish_reason)
+            assert "".join(pieces) == direct["choices"][0]["message"]["content"]
+            assert reasons[-1] == "length"
+            await settle(stack)
+
+    asyncio.run(scenario())
+
+
+def test_sdk_raises_matching_exceptions_with_our_codes() -> None:
+    async def scenario() -> None:
+        async with running_stack() as stack:
+            sdk = client(stack)
+            with pytest.raises(openai.BadRequestError) as bad:
+                await sdk.chat.completions.create(model=MODEL, messages=MSGS,  # type: ignore[arg-type]
+                                                  max_tokens=9000)
+            assert bad.value.code == "context_length_exceeded"
+            assert "maximum context length is 8192 tokens" in bad.value.message
+            assert bad.value.response.headers["x-should-retry"] == "false"
+            with pytest.raises(openai.NotFoundError) as missing:
+                await sdk.chat.completions.create(model="nope", messages=MSGS,  # type: ignore[arg-type]
+                                                  max_tokens=5)
+            assert missing.value.code == "model_not_found"
+            assert "qwen3-14b" in missing.value.message
+
+    asyncio.run(scenario())
+
+
+def test_queue_full_and_timeout_are_429_with_retry_after() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=512,
+                                 queue={"max_depth": 1, "default_deadline_s": 0.3},
+                                 engine={"decode_step_ms": 5}) as stack:
+            sdk = client(stack)
+            # holds the whole pool: ~14 prompt + 490 output -> 512 reserved
+            hog = asyncio.create_task(sdk.chat.completions.create(
+                model=MODEL, messages=MSGS, max_tokens=490))  # type: ignore[arg-type]
+            await asyncio.sleep(0.1)
+            waiter = asyncio.create_task(sdk.chat.completions.create(
+                model=MODEL, messages=MSGS, max_tokens=10))  # type: ignore[arg-type]
+            await asyncio.sleep(0.05)
+            with pytest.raises(openai.RateLimitError) as full:
+                await sdk.chat.completions.create(model=MODEL, messages=MSGS,  # type: ignore[arg-type]
+                                                  max_tokens=10)
+            assert full.value.code == "queue_full"
+            assert int(full.value.response.headers["Retry-After"]) >= 1
+            assert int(full.value.response.headers["retry-after-ms"]) >= 1
+            t0 = time.perf_counter()
+            with pytest.raises(openai.RateLimitError) as late:
+                await waiter
+            assert late.value.code == "queue_timeout"
+            assert "waited" in late.value.message
+            assert time.perf_counter() - t0 < 0.5
+            await hog
+            await settle(stack)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_request"),
+        (b"[]", 400, "invalid_request"),
+        (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "invalid_request"),
+        (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "invalid_request"),
+        (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": -5}).encode(), 400,
+         "invalid_request"),
+        (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": "ten"}).encode(), 400,
+         "invalid_request"),
+        (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 10**12}).encode(), 400,
+         "context_length_exceeded"),
+        (json.dumps({"model": MODEL, "messages": MSGS, "stream": "yes"}).encode(), 400,
+         "invalid_request"),
+        (json.dumps({"model": "gpt-5", "messages": MSGS}).encode(), 404, "model_not_found"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user",
+                                                   "content": "x" * 70_000}]}).encode(),
+         413, "request_too_large"),
+    ],
+)
+def test_bad_input_gets_contract_4xx_and_never_reaches_backend(
+    body: bytes, status: int, code: str
+) -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, server={"body_limit": "64KiB"}) as stack, \
+                aiohttp.ClientSession() as s:
+            async with s.post(f"{stack.url}/v1/chat/completions", data=body,
+                              headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == status
+                data = await resp.json()
+            assert data["error"]["code"] == code
+            assert set(data["error"]) == {"message", "type", "code", "param"}
+            sim = await stack.sim_state(s, 0)
+            assert sim["finished"] == 0 and sim["running"] == 0
+            assert stack.resident() == {"sim-0": 0}
+
+    asyncio.run(scenario())
+
+
+def test_overload_3x_pool_holds_the_ceiling_with_zero_preemptions() -> None:
+    deadline_s = 2.0
+
+    async def scenario() -> None:
+        async with running_stack(
+            backends=2, kv_tokens=2048,
+            queue={"max_depth": 24, "default_deadline_s": deadline_s},
+            engine={"decode_step_ms": 2.0, "per_seq_ms": 0.02},
+        ) as stack, aiohttp.ClientSession() as s:
+            capacity = {b.name: b.capacity_tokens for b in stack.state.backends()}
+            violations: list[dict[str, int]] = []
+            outcomes: list[tuple[int, str | None, float, float | None]] = []
+
+            async def sample() -> None:
+                while True:
+                    snapshot = stack.resident()
+                    if any(snapshot[n] > capacity[n] for n in snapshot):
+                        violations.append(snapshot)
+                    await asyncio.sleep(0.002)
+
+            async def one(i: int) -> None:
+                body = {"model": MODEL, "max_tokens": 150 + (i % 4) * 50,
+                        "messages": [{"role": "user", "content": f"request {i} " * 10}]}
+                t0 = time.perf_counter()
+                async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                    data = await resp.json()
+                    elapsed = time.perf_counter() - t0
+                    wait = resp.headers.get("x-kvgate-queue-wait-ms")
+                    code = None if resp.status == 200 else data["error"]["code"]
+                    outcomes.append((resp.status, code, elapsed,
+                                     float(wait) / 1000 if wait else None))
+
+            sampler = asyncio.create_task(sample())
+            # ~300 resident tokens each; 40 at once is 12,000 tokens: ~3x the 4,096 pool
+            async with asyncio.timeout(60):
+                await asyncio.gather(*(one(i) for i in range(40)))
+            sampler.cancel()
+            assert violations == []
+            for i in range(2):
+                sim = await stack.sim_state(s, i)
+                assert sim["preemptions"] == 0
+                assert sim["peak_blocks_used"] <= sim["num_blocks"]
+            codes = {code for status, code, _, _ in outcomes if status != 200}
+            assert codes <= {"queue_full", "queue_timeout"}
+            assert sum(1 for status, *_ in outcomes if status == 200) >= 10
+            assert codes, "3x overload should reject some requests"
+            for _status, _code, _elapsed, wait in outcomes:
+                # stated bound: queue wait never exceeds the deadline by more than 100 ms
+                assert wait is None or wait <= deadline_s + 0.1
+            await settle(stack)
+            assert stack.resident() == {"sim-0": 0, "sim-1": 0}
+
+    asyncio.run(scenario())
+
+
+def test_client_disconnect_mid_stream_releases_once_and_aborts_upstream() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, engine={"decode_step_ms": 5}) as stack, \
+                aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": MSGS, "max_tokens": 2000, "stream": True}
+            resp = await s.post(f"{stack.url}/v1/chat/completions", json=body)
+            await resp.content.readline()
+            assert stack.resident()["sim-0"] > 0
+            resp.close()
+            await settle(stack)
+            async with asyncio.timeout(5):
+                while (sim := await stack.sim_state(s, 0))["blocks_used"]:
+                    await asyncio.sleep(0.02)
+            assert sim["generation_tokens_total"] < 2000
+            assert stack.state.backends()[0].inflight == 0
+
+    asyncio.run(scenario())
+
+
+def test_client_disconnect_while_queued_leaves_the_queue() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=512,
+                                 engine={"decode_step_ms": 5}) as stack, \
+                aiohttp.ClientSession() as s:
+            sdk = client(stack)
+            hog = asyncio.create_task(sdk.chat.completions.create(
+                model=MODEL, messages=MSGS, max_tokens=300))  # type: ignore[arg-type]
+            await asyncio.sleep(0.1)
+            queued = asyncio.create_task(s.post(
+                f"{stack.url}/v1/chat/completions",
+                json={"model": MODEL, "messages": MSGS, "max_tokens": 300}))
+            controller = stack.state.models[MODEL].controller
+            async with asyncio.timeout(2):
+                while controller.queue_depth == 0:
+                    await asyncio.sleep(0.01)
+            queued.cancel()  # the client goes away while waiting
+            async with asyncio.timeout(2):
+                while controller.queue_depth:
+                    await asyncio.sleep(0.01)
+            await hog
+            await settle(stack)
+            assert (await stack.sim_state(s, 0))["finished"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_upstream_down_before_first_byte_is_502_and_releases() -> None:
+    async def scenario() -> None:
+        # a port with nothing listening: connection refused before any byte
+        probe = web.AppRunner(web.Application())
+        await probe.setup()
+        site = web.TCPSite(probe, "127.0.0.1", 0)
+        await site.start()
+        dead = f"http://127.0.0.1:{bound_port(probe)}"
+        await probe.cleanup()
+        async with running_stack(backends=0, extra_backend_urls=[dead]) as stack, \
+                aiohttp.ClientSession() as s:
+            stack.state.backends()[0].healthy = True
+            async with s.post(f"{stack.url}/v1/chat/completions",
+                              json={"model": MODEL, "messages": MSGS, "max_tokens": 5}) as resp:
+                data = await resp.json()
+                status = resp.status
+            # either the probe already marked it down (503) or the forward failed (502)
+            assert (status, data["error"]["code"]) in {(502, "upstream_error"),
+                                                       (503, "no_backend")}
+            assert stack.resident() == {"sim-0": 0}
+            async with asyncio.timeout(3):
+                while True:
+                    async with s.get(f"{stack.url}/readyz") as resp:
+                        if resp.status == 503:
+                            break
+                    await asyncio.sleep(0.05)
+            async with s.post(f"{stack.url}/v1/chat/completions",
+                              json={"model": MODEL, "messages": MSGS, "max_tokens": 5}) as resp:
+                assert resp.status == 503
+                assert (await resp.json())["error"]["code"] == "no_backend"
+                assert "Retry-After" in resp.headers
+
+    asyncio.run(scenario())
+
+
+def test_upstream_failure_mid_stream_ends_with_sse_error_event() -> None:
+    async def broken(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n')
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", broken)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            url = f"http://127.0.0.1:{bound_port(runner)}"
+            async with running_stack(backends=0, extra_backend_urls=[url]) as stack, \
+                    aiohttp.ClientSession() as s:
+                body = {"model": MODEL, "messages": MSGS, "max_tokens": 5, "stream": True}
+                async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                    text = (await resp.read()).decode()
+                assert resp.status == 200
+                assert '"content":"hi"' in text
+                assert "event: error" in text and '"code": "upstream_error"' in text
+                assert "[DONE]" not in text
+                await settle(stack)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_cap_policy_sets_max_tokens_and_says_so() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, model={"output_policy": "cap",
+                                                    "output_cap_tokens": 20}) as stack:
+            raw = await client(stack).chat.completions.with_raw_response.create(
+                model=MODEL, messages=MSGS)  # type: ignore[arg-type]
+            answer = raw.parse()
+            assert raw.headers["x-kvgate-output-cap"] == "20"
+            assert answer.choices[0].finish_reason == "length"
+            assert answer.usage is not None and answer.usage.completion_tokens == 20
+            raw = await client(stack).chat.completions.with_raw_response.create(
+                model=MODEL, messages=MSGS, max_tokens=7)  # type: ignore[arg-type]
+            assert "x-kvgate-output-cap" not in raw.headers
+            assert raw.parse().usage.completion_tokens == 7  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_require_policy_rejects_missing_max_tokens() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, model={"output_policy": "require"}) as stack:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client(stack).chat.completions.create(model=MODEL, messages=MSGS)  # type: ignore[arg-type]
+            assert info.value.code == "max_tokens_required"
+
+    asyncio.run(scenario())
+
+
+def test_demand_beyond_any_backend_is_413_and_deadline_header_shortens() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=1024,
+                                 engine={"decode_step_ms": 5}) as stack, \
+                aiohttp.ClientSession() as s:
+            async with s.post(f"{stack.url}/v1/chat/completions",
+                              json={"model": MODEL, "messages": MSGS, "max_tokens": 2000}) as r:
+                assert r.status == 413
+                assert (await r.json())["error"]["code"] == "request_too_large"
+                assert r.headers["x-should-retry"] == "false"
+            hog = asyncio.create_task(s.post(
+                f"{stack.url}/v1/chat/completions",
+                json={"model": MODEL, "messages": MSGS, "max_tokens": 1000}))
+            await asyncio.sleep(0.1)
+            t0 = time.perf_counter()
+            async with s.post(f"{stack.url}/v1/chat/completions",
+                              json={"model": MODEL, "messages": MSGS, "max_tokens": 100},
+                              headers={"x-kvgate-deadline-ms": "150"}) as r:
+                assert r.status == 429
+                assert (await r.json())["error"]["code"] == "queue_timeout"
+            assert 0.15 <= time.perf_counter() - t0 < 0.6
+            (await hog).close()
+            await settle(stack)
+
+    asyncio.run(scenario())
+
+
+def test_completions_n_and_token_prompts_reserve_each_choice() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1) as stack, aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 11, "n": 2}
+            async with s.post(f"{stack.url}/v1/completions", json=body) as r:
+                data = await r.json()
+                # 2 choices x cdiv(5 + 11, 16) blocks x 16
+                assert r.headers["x-kvgate-reserved-tokens"] == "32"
+                assert r.headers["x-kvgate-prompt-tokens"] == "5"
+            assert data["usage"]["completion_tokens"] == 22
+            await settle(stack)
+
+    asyncio.run(scenario())
+
+
+def test_metrics_admin_state_models_and_health_endpoints() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=2) as stack, aiohttp.ClientSession() as s:
+            await client(stack).chat.completions.create(model=MODEL, messages=MSGS,  # type: ignore[arg-type]
+                                                        max_tokens=4)
+            async with s.get(f"{stack.url}/metrics") as r:
+                text = await r.text()
+            for name in ("kvgate_requests_total", "kvgate_rejections_total",
+                         "kvgate_queue_wait_seconds_bucket", "kvgate_queue_depth",
+                         "kvgate_resident_tokens", "kvgate_capacity_tokens",
+                         "kvgate_prompt_tokens_bucket", "kvgate_reserved_tokens_bucket",
+                         "kvgate_tokenize_seconds_bucket",
+                         "kvgate_upstream_first_byte_seconds_bucket",
+                         "kvgate_inflight_requests", "kvgate_inflight_requests_peak",
+                         "kvgate_headroom_tokens_min"):
+                assert name in text, name
+            assert 'kvgate_requests_total{model="qwen3-14b",outcome="completed"} 1.0' in text
+            async with s.get(f"{stack.url}/admin/state") as r:
+                st = await r.json()
+            backends = st["models"][MODEL]["backends"]
+            assert {b["capacity_tokens"] for b in backends.values()} == {4096}
+            assert all(b["resident_tokens"] == 0 for b in backends.values())
+            async with s.get(f"{stack.url}/v1/models") as r:
+                assert (await r.json())["data"][0]["id"] == MODEL
+            for path in ("/healthz", "/readyz"):
+                async with s.get(f"{stack.url}{path}") as r:
+                    assert r.status == 200
+
+    asyncio.run(scenario())
