@@ -1,0 +1,93 @@
+"""Configuration: valid files load with derived capacities; invalid ones name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN = ROOT / "models" / "qwen3-14b"
+
+
+def base(**model: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": "qwen3-14b", "path": str(QWEN),
+        "deployment": {"kv_tokens": 8192},
+        "backends": [{"name": "a", "url": "http://127.0.0.1:8001"}],
+    }
+    entry.update(model)
+    return {"models": [entry]}
+
+
+def test_measured_kv_tokens_and_config_max_len() -> None:
+    cfg = parse_config(base(), base=ROOT)
+    m = cfg.models[0]
+    assert m.capacity_tokens == 8192
+    assert m.capacity_source == "measured kv_tokens"
+    assert m.max_model_len == 40_960  # max_position_embeddings of the bundled config.json
+    assert cfg.queue.ordering == "fifo" and cfg.ledger.kind == "memory"
+
+
+def test_capacity_estimated_from_config_and_memory() -> None:
+    cfg = parse_config(base(deployment={
+        "usable_memory": "40GB", "gpu_memory_utilization": 0.9, "params": "14.8e9",
+        "weight_bits": 16,
+    }), base=ROOT)
+    # 40e9 x 0.9 = 36e9 budget; weights 29.6e9; pool 6.4e9 B / 163,840 B per token
+    # = 39,062 tokens -> whole 16-token blocks: 39,056
+    assert cfg.models[0].capacity_tokens == 39_056
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"deployment": {}}, "`models[0].deployment.usable_memory`"),
+        ({"deployment": {"kv_tokens": 0}}, "`models[0].deployment.kv_tokens` must be >= 16"),
+        ({"deployment": {"kv_tokens": 8192, "bogus": 1}}, "unknown key `models[0].deployment.bogus`"),
+        ({"deployment": {"usable_memory": "40XB", "params": 1}}, "has unknown unit 'XB'"),
+        ({"backends": []}, "`models[0].backends` must list at least one backend"),
+        ({"backends": [{"url": "ftp://x"}]}, "`models[0].backends[0].url` must start with"),
+        ({"output_policy": "maybe"}, "`models[0].output_policy`"),
+        ({"output_policy": "cap"}, "needs `output_cap_tokens`"),
+        ({"placement": "random"}, "`models[0].placement` must be one of"),
+        ({"path": "/nonexistent"}, "`models[0].path` '/nonexistent' is not a directory"),
+    ],
+)
+def test_invalid_model_config_names_the_key(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(base(**change), base=ROOT)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"server": {"listen": "nope"}}, "`server.listen` must be HOST:PORT"),
+        ({"queue": {"ordering": "lifo"}}, "`queue.ordering` must be one of"),
+        ({"queue": {"max_depth": -1}}, "`queue.max_depth` must be >= 0"),
+        ({"queue": {"default_deadline_s": 200, "max_deadline_s": 100}}, "exceeds"),
+        ({"ledger": {"kind": "etcd"}}, "`ledger.kind`"),
+        ({"colour": "blue"}, "unknown key `colour`"),
+    ],
+)
+def test_invalid_sections_name_the_key(section: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({**base(), **section}, base=ROOT)
+    assert message in str(info.value)
+
+
+def test_serve_with_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "kvgate.toml"
+    bad.write_text('[queue]\nordering = "lifo"\n[[models]]\nname = "m"\n')
+    proc = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "`models[0].path`" in proc.stderr or "`queue.ordering`" in proc.stderr
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.toml")
