@@ -49,7 +49,8 @@ def test_capacity_estimated_from_config_and_memory() -> None:
     [
         ({"deployment": {}}, "`models[0].deployment.usable_memory`"),
         ({"deployment": {"kv_tokens": 0}}, "`models[0].deployment.kv_tokens` must be >= 16"),
-        ({"deployment": {"kv_tokens": 8192, "bogus": 1}}, "unknown key `models[0].deployment.bogus`"),
+        ({"deployment": {"kv_tokens": 8192, "bogus": 1}},
+         "unknown key `models[0].deployment.bogus`"),
         ({"deployment": {"usable_memory": "40XB", "params": 1}}, "has unknown unit 'XB'"),
         ({"backends": []}, "`models[0].backends` must list at least one backend"),
         ({"backends": [{"url": "ftp://x"}]}, "`models[0].backends[0].url` must start with"),
