@@ -426,3 +426,48 @@ def test_metrics_admin_state_models_and_health_endpoints() -> None:
                     assert r.status == 200
 
     asyncio.run(scenario())
+
+
+def test_body_goes_upstream_byte_identical_with_backend_key_and_no_hop_headers() -> None:
+    seen: list[tuple[bytes, dict[str, str]]] = []
+
+    async def capture(request: web.Request) -> web.Response:
+        seen.append((await request.read(), dict(request.headers)))
+        return web.json_response({"ok": True}, headers={"Connection": "keep-alive",
+                                                        "x-backend": "yes"})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", capture)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            url = f"http://127.0.0.1:{bound_port(runner)}"
+            async with running_stack(backends=0, extra_backend_urls=[url]) as stack, \
+                    aiohttp.ClientSession() as s:
+                stack.state.models[MODEL].controller.backends[0].api_key = "backend-secret"
+                # odd spacing and key order must survive: the bytes are not re-serialised
+                raw = (b'{ "max_tokens" : 5,"model":"qwen3-14b",  "messages": '
+                       b'[{"role":"user","content":"caf\\u00e9"}], "temperature": 0.70}')
+                async with s.post(f"{stack.url}/v1/chat/completions", data=raw, headers={
+                    "Content-Type": "application/json", "Authorization": "Bearer client-key",
+                    "x-kvgate-deadline-ms": "1000", "X-Custom": "kept",
+                }) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["x-backend"] == "yes"
+                    assert "x-kvgate-prompt-tokens" in resp.headers
+                body, headers = seen[0]
+                assert body == raw
+                assert headers["Authorization"] == "Bearer backend-secret"
+                assert headers["X-Custom"] == "kept"
+                assert not any(k.lower().startswith("x-kvgate-") for k in headers)
+                await settle(stack)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
