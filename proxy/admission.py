@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from policies.ordering import Ordering, WaiterView
 from policies.placement import BackendRoom, PlacementName, rank_backends
-from proxy.errors import NoBackend, QueueFull, QueueTimeout, RequestTooLarge
+from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.ledger import Ledger
 
 __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate"]
@@ -254,7 +254,12 @@ class AdmissionController:
                 self._waiters.remove(waiter)
                 self.kick()  # a blocking head may have left
             fut = waiter.fut
-            if not handed_over and fut.done() and not fut.cancelled():
+            if (
+                not handed_over
+                and fut.done()
+                and not fut.cancelled()
+                and fut.exception() is None
+            ):
                 fut.result().release()  # a grant raced the cancel or the deadline
 
     # ------------------------------------------------------------------ placing
@@ -308,7 +313,11 @@ class AdmissionController:
         for waiter in order:
             if waiter.fut.done():
                 continue
-            lease = await self._try_place(waiter.demand)
+            try:
+                lease = await self._try_place(waiter.demand)
+            except LedgerUnavailable as exc:
+                self._fail_all(exc)
+                return
             if lease is None:
                 if now - waiter.view.arrival >= self._starvation_s:
                     return  # hold the next room for the starving waiter
@@ -320,6 +329,15 @@ class AdmissionController:
             self._ordering.on_admit(waiter.view)
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+
+    def _fail_all(self, exc: LedgerUnavailable) -> None:
+        """No ledger, no admission: every waiter gets the explicit 503 now."""
+        for waiter in list(self._waiters):
+            if not waiter.fut.done():
+                waiter.fut.set_exception(
+                    LedgerUnavailable(exc.message, retry_after_s=exc.retry_after_s)
+                )
+            self._waiters.remove(waiter)
 
     async def drain(self) -> None:
         """Wait for scheduled dispatches (used on shutdown and in tests)."""

@@ -68,6 +68,7 @@ class LedgerConfig:
     url: str | None = None
     lease_ttl_s: float = 30.0
     key_prefix: str = "kvgate"
+    refresh_interval_s: float = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,11 +216,10 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
 
 def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
     w = "ledger."
-    _check_keys(data, {"kind", "url", "lease_ttl_s", "key_prefix"}, w)
+    _check_keys(data, {"kind", "url", "lease_ttl_s", "key_prefix", "refresh_interval_s"}, w)
     kind = _str(data, "kind", w, "memory")
-    if kind != "memory":
-        # The shared Redis ledger is not part of this release yet.
-        raise ConfigError(f"`ledger.kind` must be 'memory'. Given: {kind!r}")
+    if kind not in ("memory", "redis"):
+        raise ConfigError(f"`ledger.kind` must be 'memory' or 'redis'. Given: {kind!r}")
     url = data.get("url")
     if kind == "redis" and not (isinstance(url, str) and url.startswith(("redis://", "rediss://",
                                                                          "unix://"))):
@@ -229,6 +229,7 @@ def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
         url=url,
         lease_ttl_s=_num(data, "lease_ttl_s", w, 30.0, minimum=1.0),
         key_prefix=_str(data, "key_prefix", w, "kvgate"),
+        refresh_interval_s=_num(data, "refresh_interval_s", w, 0.5, minimum=0.01),
     )
 
 

@@ -6,12 +6,26 @@ so capacity comes back even when the releasing task is being cancelled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 __all__ = ["Ledger", "MemoryLedger"]
 
 
 class Ledger(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    @property
+    def available(self) -> bool:
+        """False while a shared ledger cannot be reached."""
+        ...
+
+    def add_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(backend)` when capacity may have come back through another replica."""
+        ...
+
     async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int) -> bool:
         """Add `tokens` to `backend` if resident + tokens <= capacity; record the lease."""
         ...
@@ -33,6 +47,19 @@ class MemoryLedger:
     def __init__(self) -> None:
         self._resident: dict[str, int] = {}
         self._leases: dict[str, tuple[str, int]] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    @property
+    def available(self) -> bool:
+        return True
+
+    def add_listener(self, callback: Callable[[str], None]) -> None:
+        return None  # every release happens in this process and wakes the queue itself
 
     async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int) -> bool:
         return self.reserve_now(backend, lease_id, tokens, capacity)

@@ -352,9 +352,13 @@ async def _readyz(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     missing = [name for name, m in state.models.items()
                if not any(b.healthy for b in m.controller.backends)]
-    if missing:
-        return web.json_response({"ready": False, "models_without_backend": missing}, status=503)
-    return web.json_response({"ready": True})
+    ledger_ok = state.ledger.available
+    if missing or not ledger_ok:
+        return web.json_response(
+            {"ready": False, "models_without_backend": missing, "ledger_available": ledger_ok},
+            status=503,
+        )
+    return web.json_response({"ready": True, "ledger_available": True})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -375,7 +379,8 @@ async def _admin_state(request: web.Request) -> web.Response:
                                                 "code": "unauthorized", "param": None}},
                                      status=401)
     now = asyncio.get_running_loop().time()
-    out: dict[str, Any] = {"models": {}}
+    out: dict[str, Any] = {"ledger": {"kind": state.config.ledger.kind,
+                                      "available": state.ledger.available}, "models": {}}
     for name, m in state.models.items():
         c = m.controller
         out["models"][name] = {
@@ -405,6 +410,36 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
                                  read_timeout_s=server.upstream_read_timeout_s)
     yield
     await state.session.close()
+
+
+def make_ledger(config: KvgateConfig) -> Ledger:
+    if config.ledger.kind == "redis":
+        from proxy.redis_ledger import RedisLedger
+
+        assert config.ledger.url is not None
+        return RedisLedger(
+            config.ledger.url,
+            backends=[b.name for m in config.models for b in m.backends],
+            key_prefix=config.ledger.key_prefix,
+            lease_ttl_s=config.ledger.lease_ttl_s,
+            refresh_interval_s=config.ledger.refresh_interval_s,
+        )
+    return MemoryLedger()
+
+
+async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE_KEY]
+    owners = {b.name: m.controller for m in state.models.values() for b in m.controller.backends}
+
+    def wake(backend: str) -> None:
+        controller = owners.get(backend)
+        if controller is not None:
+            controller.kick()
+
+    state.ledger.add_listener(wake)
+    await state.ledger.start()
+    yield
+    await state.ledger.close()
 
 
 async def _probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
@@ -441,7 +476,8 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(config: KvgateConfig, *, ledger: Ledger | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware])
-    app[STATE_KEY] = ProxyState(config, ledger or MemoryLedger(), Metrics())
+    app[STATE_KEY] = ProxyState(config, ledger or make_ledger(config), Metrics())
+    app.cleanup_ctx.append(_ledger_ctx)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_health_ctx)
     app.router.add_post("/v1/chat/completions", _chat)

@@ -1,0 +1,214 @@
+"""The Redis ledger against a real redis-server: atomicity, expiry, notifications, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+
+from policies.ordering import Fifo
+from proxy.admission import AdmissionController, Backend, Demand
+from proxy.errors import LedgerUnavailable
+from proxy.redis_ledger import RedisLedger
+from tests.support.redis_server import RedisServer
+
+
+def ledger(server: RedisServer, **kw: float) -> RedisLedger:
+    return RedisLedger(server.url, backends=["gpu-a", "gpu-b"], key_prefix="t",
+                       lease_ttl_s=kw.get("ttl", 30.0),
+                       refresh_interval_s=kw.get("refresh", 0.5))
+
+
+def lid() -> str:
+    return uuid.uuid4().hex
+
+
+def test_redis_reserve_over_capacity_returns_false_release_twice_is_noop(
+    redis_server: RedisServer,
+) -> None:
+    async def scenario() -> None:
+        led = ledger(redis_server)
+        await led.start()
+        try:
+            a, b = lid(), lid()
+            assert await led.reserve("gpu-a", a, 60, 100) is True
+            assert await led.reserve("gpu-a", lid(), 41, 100) is False
+            assert await led.reserve("gpu-a", b, 40, 100) is True
+            assert await led.resident_now("gpu-a") == 100
+            assert await led.resident_now("gpu-b") == 0
+            led.release(a)
+            led.release(a)
+            await led._ops.join()
+            assert await led.resident_now("gpu-a") == 40
+            led.release(b)
+            await led._ops.join()
+            assert await led.resident_now("gpu-a") == 0
+        finally:
+            await led.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_keys_share_a_hash_tag_and_prefix() -> None:
+    led = RedisLedger("redis://127.0.0.1:1/0", backends=["gpu-a"], key_prefix="prod")
+    keys = led.keys("gpu-a")
+    assert keys == ["prod:{gpu-a}:resident", "prod:{gpu-a}:leases", "prod:{gpu-a}:expiry"]
+
+
+def test_redis_three_replicas_never_exceed_capacity(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        replicas = [ledger(redis_server) for _ in range(3)]
+        for r in replicas:
+            await r.start()
+        rng = random.Random(5)
+        capacity = 1000
+        held: list[tuple[RedisLedger, str, int]] = []
+
+        async def attempt(r: RedisLedger) -> None:
+            tokens = rng.randint(1, 120)
+            lease = lid()
+            if await r.reserve("gpu-a", lease, tokens, capacity):
+                held.append((r, lease, tokens))
+
+        try:
+            await asyncio.gather(*(attempt(replicas[i % 3]) for i in range(300)))
+            resident = await replicas[0].resident_now("gpu-a")
+            assert resident == sum(t for _, _, t in held)
+            assert resident <= capacity
+            assert resident > capacity - 120  # it filled up
+            for r, lease, _ in held:
+                r.release(lease)
+            for r in replicas:
+                await r._ops.join()
+            assert await replicas[0].resident_now("gpu-a") == 0
+        finally:
+            for r in replicas:
+                await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_crashed_replica_leases_reclaimed_within_ttl(redis_server: RedisServer) -> None:
+    ttl, refresh = 1.0, 0.2
+
+    async def scenario() -> None:
+        crashed = ledger(redis_server, ttl=ttl, refresh=refresh)
+        alive = ledger(redis_server, ttl=ttl, refresh=refresh)
+        await crashed.start()
+        await alive.start()
+        try:
+            assert await crashed.reserve("gpu-a", lid(), 80, 100)
+            # the replica dies: no release, no renewal (what SIGKILL leaves behind)
+            crashed._closing = True
+            for task in crashed._tasks:
+                task.cancel()
+            await asyncio.gather(*crashed._tasks, return_exceptions=True)
+            t0 = time.perf_counter()
+            assert not await alive.reserve("gpu-a", lid(), 50, 100)
+            async with asyncio.timeout(ttl + refresh + 2):
+                while not await alive.reserve("gpu-a", lid(), 50, 100):
+                    await asyncio.sleep(0.05)
+            reclaimed_after = time.perf_counter() - t0
+            # stated bound: lease_ttl_s + refresh_interval_s
+            assert reclaimed_after <= ttl + refresh + 0.3
+            assert await alive.resident_now("gpu-a") == 50
+        finally:
+            crashed._tasks = []
+            await crashed.close()
+            await alive.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_live_leases_survive_many_ttls_by_renewal(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        led = ledger(redis_server, ttl=0.6, refresh=0.1)
+        await led.start()
+        try:
+            lease = lid()
+            assert await led.reserve("gpu-a", lease, 70, 100)
+            await asyncio.sleep(2.0)  # more than three TTLs
+            assert await led.resident_now("gpu-a") == 70
+            assert not await led.reserve("gpu-a", lid(), 31, 100)
+            led.release(lease)
+            await led._ops.join()
+            assert await led.resident_now("gpu-a") == 0
+        finally:
+            await led.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_release_notification_wakes_waiter_on_other_replica(
+    redis_server: RedisServer,
+) -> None:
+    async def scenario() -> None:
+        # a slow periodic refresh: only the pub/sub message can wake B quickly
+        led_a = ledger(redis_server, refresh=30.0)
+        led_b = ledger(redis_server, refresh=30.0)
+        controllers = []
+        for led in (led_a, led_b):
+            c = AdmissionController(
+                model="m", ledger=led, ordering=Fifo(),
+                backends=[Backend(name="gpu-a", url="http://127.0.0.1:1", capacity_tokens=100)],
+            )
+            led.add_listener(lambda _b, c=c: c.kick())
+            await led.start()
+            controllers.append(c)
+        try:
+            loop = asyncio.get_running_loop()
+            demand = Demand(tokens=80, prompt_tokens=40, max_tokens=40)
+            held = await controllers[0].acquire(demand, loop.time() + 5)
+            await asyncio.sleep(0.3)  # let B's subscription settle
+            waiter = asyncio.create_task(controllers[1].acquire(demand, loop.time() + 10))
+            await asyncio.sleep(0.2)
+            assert not waiter.done()
+            t0 = time.perf_counter()
+            held.release()
+            lease = await asyncio.wait_for(waiter, 5)
+            assert time.perf_counter() - t0 < 1.0
+            lease.release()
+            await led_b._ops.join()
+            assert await led_b.resident_now("gpu-a") == 0
+        finally:
+            await led_a.close()
+            await led_b.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_outage_refuses_admission_and_restores_exact_accounting(
+    redis_server: RedisServer,
+) -> None:
+    async def scenario() -> None:
+        led = ledger(redis_server, ttl=3.0, refresh=0.1)
+        await led.start()
+        try:
+            kept, dropped = lid(), lid()
+            assert await led.reserve("gpu-a", kept, 30, 100)
+            assert await led.reserve("gpu-a", dropped, 20, 100)
+            redis_server.stop()
+            with pytest.raises(LedgerUnavailable) as info:
+                await led.reserve("gpu-a", lid(), 1, 100)
+            assert info.value.status == 503 and info.value.code == "ledger_unavailable"
+            assert not led.available
+            led.release(dropped)  # a request ends during the outage
+            await asyncio.sleep(0.3)
+            redis_server.start()  # an empty Redis: every key is gone
+            async with asyncio.timeout(5):
+                while not led.available or await led.resident_now("gpu-a") != 30:
+                    await asyncio.sleep(0.05)
+            # the live lease is back, the released one is not, nothing doubled
+            await asyncio.sleep(0.5)
+            assert await led.resident_now("gpu-a") == 30
+            assert led.readded_total >= 1
+            led.release(kept)
+            await led._ops.join()
+            assert await led.resident_now("gpu-a") == 0
+        finally:
+            await led.close()
+
+    asyncio.run(scenario())
