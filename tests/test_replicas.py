@@ -1,0 +1,203 @@
+"""Three proxy processes, one Redis, two simulated backends: one ceiling across replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis
+
+from tests.support.procs import Proc, start_proxy, start_sim
+from tests.support.redis_server import RedisServer
+
+KV_TOKENS = 2048
+BACKENDS = ("gpu-0", "gpu-1")
+
+
+def resident_key(backend: str) -> str:
+    return f"kvgate-test:{{{backend}}}:resident"
+
+
+@contextlib.contextmanager
+def cluster(tmp: Path, server: RedisServer, *, replicas: int = 3,
+            decode_step_ms: float = 2.0) -> Iterator[tuple[list[Proc], list[Proc]]]:
+    procs: list[Proc] = []
+    try:
+        sims = [start_sim(tmp, kv_tokens=KV_TOKENS, decode_step_ms=decode_step_ms,
+                          name=f"sim{i}") for i in range(2)]
+        procs += sims
+        proxies = [start_proxy(tmp, name=f"proxy{i}", redis_url=server.url, sims=sims,
+                               kv_tokens=KV_TOKENS) for i in range(replicas)]
+        procs += proxies
+        for p in procs:
+            p.wait_ready()
+        yield proxies, sims
+    finally:
+        for p in procs:
+            p.kill()
+
+
+async def sim_state(s: aiohttp.ClientSession, sim: Proc) -> dict[str, Any]:
+    async with s.get(f"{sim.url}/sim/state") as resp:
+        data: dict[str, Any] = await resp.json()
+        return data
+
+
+def body(i: int, max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    return {"model": "qwen3-14b", "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": f"request number {i} " * 8}]}
+
+
+async def wait_ready(s: aiohttp.ClientSession, proxies: list[Proc]) -> None:
+    async with asyncio.timeout(15):
+        for p in proxies:
+            while True:
+                try:
+                    async with s.get(f"{p.url}/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+
+
+def test_three_replicas_overload_never_exceed_capacity(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    with cluster(tmp_path, redis_server) as (proxies, sims):
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                await wait_ready(s, proxies)
+                samples: list[tuple[int, int]] = []
+
+                async def sample() -> None:
+                    while True:
+                        values = r.mget([resident_key(b) for b in BACKENDS])
+                        samples.append((int(values[0] or 0), int(values[1] or 0)))
+                        await asyncio.sleep(0.005)
+
+                statuses: list[tuple[int, str | None]] = []
+
+                async def one(i: int) -> None:
+                    proxy = proxies[i % len(proxies)]
+                    async with s.post(f"{proxy.url}/v1/chat/completions",
+                                      json=body(i, 200 + (i % 3) * 50)) as resp:
+                        data = await resp.json()
+                        statuses.append((resp.status, None if resp.status == 200
+                                         else data["error"]["code"]))
+
+                sampler = asyncio.create_task(sample())
+                # ~290 tokens each, 45 at once ~ 13,000 tokens against a 4,096-token ceiling
+                async with asyncio.timeout(90):
+                    await asyncio.gather(*(one(i) for i in range(45)))
+                sampler.cancel()
+                assert len(samples) > 20
+                assert max(a for a, _ in samples) <= KV_TOKENS
+                assert max(b for _, b in samples) <= KV_TOKENS
+                assert max(a + b for a, b in samples) > KV_TOKENS  # both were used
+                for sim in sims:
+                    st = await sim_state(s, sim)
+                    assert st["preemptions"] == 0
+                    assert st["peak_blocks_used"] <= st["num_blocks"]
+                ok = sum(1 for status, _ in statuses if status == 200)
+                assert ok >= 15
+                assert {code for _, code in statuses if code} <= {"queue_full", "queue_timeout"}
+                async with asyncio.timeout(10):
+                    while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
+                        await asyncio.sleep(0.05)
+
+        asyncio.run(scenario())
+
+
+def test_sigkilled_replica_leases_are_reclaimed_for_the_others(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    ttl_s, refresh_s = 2.0, 0.2
+    r = redis.Redis.from_url(redis_server.url)
+    with cluster(tmp_path, redis_server, replicas=2, decode_step_ms=10.0) as (proxies, sims):
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                await wait_ready(s, proxies)
+                doomed, survivor = proxies
+                # two long streams through the doomed replica fill both backends
+                streams = [await s.post(f"{doomed.url}/v1/chat/completions",
+                                        json=body(i, 1900, stream=True)) for i in range(2)]
+                for resp in streams:
+                    assert resp.status == 200
+                    await resp.content.readline()
+                held = [int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])]
+                assert min(held) > 1900
+                async with s.post(f"{survivor.url}/v1/chat/completions",
+                                  json=body(9, 1500),
+                                  headers={"x-kvgate-deadline-ms": "200"}) as resp:
+                    assert resp.status == 429  # no room while the leases live
+                doomed.kill(signal.SIGKILL)
+                killed_at = time.monotonic()
+                for resp in streams:
+                    resp.close()
+                async with asyncio.timeout(ttl_s + 5):
+                    while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
+                        await asyncio.sleep(0.05)
+                reclaimed_s = time.monotonic() - killed_at
+                # stated bound: lease_ttl_s + refresh_interval_s, plus scheduling slack
+                assert reclaimed_s <= ttl_s + refresh_s + 0.5
+                async with s.post(f"{survivor.url}/v1/chat/completions",
+                                  json=body(10, 1500)) as resp:
+                    assert resp.status == 200
+                    data = await resp.json()
+                assert data["usage"]["completion_tokens"] == 1500
+
+        asyncio.run(scenario())
+
+
+def test_redis_restart_gives_503_then_exact_accounting(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    with cluster(tmp_path, redis_server, replicas=2, decode_step_ms=5.0) as (proxies, sims):
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                await wait_ready(s, proxies)
+                # a stream that lives across the outage
+                live = await s.post(f"{proxies[0].url}/v1/chat/completions",
+                                    json=body(1, 800, stream=True))
+                await live.content.readline()
+                reserved = int(live.headers["x-kvgate-reserved-tokens"])
+                redis_server.stop()
+                for p in proxies:
+                    async with s.post(f"{p.url}/v1/chat/completions", json=body(2, 10)) as resp:
+                        assert resp.status == 503
+                        data = await resp.json()
+                        assert data["error"]["code"] == "ledger_unavailable"
+                        assert "Retry-After" in resp.headers
+                async with asyncio.timeout(5):
+                    while True:
+                        async with s.get(f"{proxies[1].url}/readyz") as resp:
+                            if resp.status == 503:
+                                break
+                        await asyncio.sleep(0.1)
+                redis_server.start()  # empty: the live lease must come back by renewal
+                async with asyncio.timeout(10):
+                    while sum(int(v or 0) for v in
+                              r.mget([resident_key(b) for b in BACKENDS])) != reserved:
+                        await asyncio.sleep(0.05)
+                async with s.post(f"{proxies[1].url}/v1/chat/completions",
+                                  json=body(3, 10)) as resp:
+                    assert resp.status == 200
+                text = await live.read()
+                assert b"[DONE]" in text
+                async with asyncio.timeout(10):
+                    while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
+                        await asyncio.sleep(0.05)
+
+        asyncio.run(scenario())
