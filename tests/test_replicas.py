@@ -122,7 +122,7 @@ def test_sigkilled_replica_leases_are_reclaimed_for_the_others(
 ) -> None:
     ttl_s, refresh_s = 2.0, 0.2
     r = redis.Redis.from_url(redis_server.url)
-    with cluster(tmp_path, redis_server, replicas=2, decode_step_ms=10.0) as (proxies, sims):
+    with cluster(tmp_path, redis_server, replicas=2, decode_step_ms=10.0) as (proxies, _sims):
 
         async def scenario() -> None:
             async with aiohttp.ClientSession() as s:
@@ -163,7 +163,7 @@ def test_redis_restart_gives_503_then_exact_accounting(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     r = redis.Redis.from_url(redis_server.url)
-    with cluster(tmp_path, redis_server, replicas=2, decode_step_ms=5.0) as (proxies, sims):
+    with cluster(tmp_path, redis_server, replicas=2, decode_step_ms=5.0) as (proxies, _sims):
 
         async def scenario() -> None:
             async with aiohttp.ClientSession() as s:
