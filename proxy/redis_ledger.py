@@ -255,21 +255,20 @@ class RedisLedger:
                 callback(backend)
 
     async def _worker(self) -> None:
-        """Releases and renewals, in order, each retried until Redis answers."""
+        """Releases and renewals, in order, pipelined in batches, retried until Redis answers.
+
+        One pipeline per batch keeps releases from falling behind a busy replica:
+        a burst of N releases costs one round trip, not N.
+        """
         while True:
-            kind, backend, lease_id = await self._ops.get()
+            batch = [await self._ops.get()]
+            while len(batch) < 512 and not self._ops.empty():
+                batch.append(self._ops.get_nowait())
             try:
                 delay = 0.05
                 while True:
                     try:
-                        if kind == "release":
-                            result = await self._release(
-                                keys=self.keys(backend),
-                                args=[lease_id, self._channel, backend],
-                            )
-                            self._resident[backend] = int(result[1])
-                        else:
-                            await self._renew_backend(backend)
+                        await self._run_batch(batch)
                         self._set_available(True)
                         break
                     except _CONNECTION_ERRORS:
@@ -277,20 +276,37 @@ class RedisLedger:
                         await asyncio.sleep(delay)
                         delay = min(1.0, delay * 2)
             finally:
-                self._ops.task_done()
+                for _ in batch:
+                    self._ops.task_done()
 
-    async def _renew_backend(self, backend: str) -> None:
+    async def _run_batch(self, batch: list[tuple[str, str, str]]) -> None:
+        assert self._client is not None
+        pipe = self._client.pipeline(transaction=False)
+        for kind, backend, lease_id in batch:
+            if kind == "release":
+                await self._release(keys=self.keys(backend),
+                                    args=[lease_id, self._channel, backend], client=pipe)
+            else:
+                await self._renew(keys=self.keys(backend), args=self._renew_args(backend),
+                                  client=pipe)
+        results = await pipe.execute()
+        for (kind, backend, _), result in zip(batch, results, strict=True):
+            if kind == "release":
+                self._resident[backend] = int(result[1])
+                continue
+            self._resident[backend] = int(result[0])
+            self.reclaimed_total += int(result[1])
+            self.readded_total += int(result[2])
+            if int(result[2]):
+                log.warning("re-added %d live leases on %s after Redis lost them",
+                            int(result[2]), backend)
+
+    def _renew_args(self, backend: str) -> list[Any]:
         args: list[Any] = [self._ttl_ms, self._channel, backend]
         for lease_id, (b, tokens) in list(self._live.items()):
             if b == backend:
                 args += [lease_id, tokens]
-        result = await self._renew(keys=self.keys(backend), args=args)
-        self._resident[backend] = int(result[0])
-        self.reclaimed_total += int(result[1])
-        self.readded_total += int(result[2])
-        if int(result[2]):
-            log.warning("re-added %d live leases on %s after Redis lost them",
-                        int(result[2]), backend)
+        return args
 
     async def _maintain(self) -> None:
         """Renew leases every ttl/3, reclaim expired ones, refresh the resident view."""
