@@ -292,6 +292,85 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_cmd_serve)
 
 
+def check_config_report(path: str) -> dict[str, object]:
+    """Validate a config fully (tokenizers included) and derive per-backend capacities."""
+    from proxy.config import load_config
+    from proxy.tokenize import load_counter
+
+    config = load_config(path)
+    models: list[dict[str, object]] = []
+    for m in config.models:
+        load_counter(m.path, name=m.name)
+        per_token = m.deployment.kv_bytes_per_token if m.deployment else None
+        full_seq = m.deployment.ledger_tokens(m.max_model_len) if m.deployment else None
+        models.append({
+            "name": m.name,
+            "path": str(m.path),
+            "max_model_len": m.max_model_len,
+            "output_policy": str(m.output.name),
+            "capacity_source": m.capacity_source,
+            "kv_bytes_per_token": per_token,
+            "full_context_sequences": (m.capacity_tokens // full_seq) if full_seq else None,
+            "backends": [
+                {"name": b.name, "url": b.url, "capacity_tokens": m.capacity_tokens}
+                for b in m.backends
+            ],
+        })
+    return {"config": path, "ledger": config.ledger.kind, "listen":
+            f"{config.server.host}:{config.server.port}", "models": models}
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    report = check_config_report(args.config)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{args.config}: valid (listen {report['listen']}, ledger {report['ledger']})")
+    models = report["models"]
+    assert isinstance(models, list)
+    for m in models:
+        print(f"  model {m['name']}: max_model_len {m['max_model_len']:,}, output policy "
+              f"{m['output_policy']}, capacity: {m['capacity_source']}")
+        if m["kv_bytes_per_token"]:
+            print(f"    KV cache per token {m['kv_bytes_per_token']:,} B per device; "
+                  f"{m['full_context_sequences']} full-context sequences fit per backend")
+        for b in m["backends"]:
+            print(f"    backend {b['name']:<12} {b['url']:<32} "
+                  f"{b['capacity_tokens']:>10,} KV tokens")
+    return 0
+
+
+def _add_check_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("check-config", help="validate a config and print derived capacities")
+    p.add_argument("config", help="TOML configuration file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_check_config)
+
+
+def _cmd_local_stack(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from proxy.stack import run_local_stack
+
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvgate-"))
+    try:
+        run_local_stack(base_port=args.base_port, workdir=workdir.resolve(),
+                        kv_tokens=args.kv_tokens, decode_step_ms=args.decode_step_ms)
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from exc
+    return 0
+
+
+def _add_local_stack(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("local-stack",
+                       help="compose's stack as processes: redis, 2 sims, 2 replicas, nginx")
+    p.add_argument("--base-port", type=int, default=8080)
+    p.add_argument("--workdir", help="configs and logs (default: a new temp folder)")
+    p.add_argument("--kv-tokens", type=int, default=16384)
+    p.add_argument("--decode-step-ms", type=float, default=20.0)
+    p.set_defaults(func=_cmd_local_stack)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -321,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim(sub)
     _add_serve(sub)
     _add_demo(sub)
+    _add_check_config(sub)
+    _add_local_stack(sub)
     return parser
 
 

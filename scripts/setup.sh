@@ -28,8 +28,15 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[${KVGATE_EXTRAS:-test}]"
 
-if [ "${KVGATE_NEED_REDIS:-1}" = "1" ] && ! command -v redis-server >/dev/null 2>&1; then
-  apt_install redis-server
-  # The tests start their own server on a free port; the packaged service is not needed.
-  $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
+# The tests start their own redis-server and nginx on free loopback ports; the packaged
+# services are not needed, so they are stopped if the package started them.
+if [ "${KVGATE_NEED_REDIS:-1}" = "1" ]; then
+  if ! command -v redis-server >/dev/null 2>&1; then
+    apt_install redis-server
+    $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || $SUDO service redis-server stop >/dev/null 2>&1 || true
+  fi
+  if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+    apt_install nginx-light
+    $SUDO systemctl disable --now nginx >/dev/null 2>&1 || $SUDO service nginx stop >/dev/null 2>&1 || true
+  fi
 fi

@@ -1,0 +1,131 @@
+"""`kvgate local-stack`: the compose stack as plain processes on loopback.
+
+Redis, two simulated GPU backends, two kvgate replicas sharing the Redis ledger, and
+nginx in front (deploy/nginx-local.conf.template), for machines without a container
+engine. Ports from --base-port B: load balancer B, replicas B+1 and B+2, simulated
+backends B+3 and B+4, Redis B+5. Everything stops together on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["run_local_stack"]
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "models" / "qwen3-14b"
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], name: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with status {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{name} did not open port {port} within {timeout_s:.0f} s")
+
+
+def _replica_config(port: int, redis_port: int, sims: list[int], kv_tokens: int) -> str:
+    backends = "".join(
+        f'\n[[models.backends]]\nname = "sim-{chr(97 + i)}"\nurl = "http://127.0.0.1:{p}"\n'
+        for i, p in enumerate(sims)
+    )
+    return f"""[server]
+listen = "127.0.0.1:{port}"
+health_interval_s = 1.0
+
+[queue]
+max_depth = 64
+default_deadline_s = 10.0
+
+[ledger]
+kind = "redis"
+url = "redis://127.0.0.1:{redis_port}/0"
+lease_ttl_s = 10.0
+key_prefix = "kvgate-local"
+
+[[models]]
+name = "qwen3-14b"
+path = "{MODEL_DIR}"
+max_model_len = 8192
+
+[models.deployment]
+kv_tokens = {kv_tokens}
+block_size = 16
+{backends}"""
+
+
+def run_local_stack(*, base_port: int, workdir: Path, kv_tokens: int,
+                    decode_step_ms: float) -> None:
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
+                                      else None)
+    redis_server = shutil.which("redis-server")
+    if nginx is None or redis_server is None:
+        raise RuntimeError("local-stack needs nginx and redis-server (scripts/setup.sh "
+                           "installs both)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    lb, r1, r2, s1, s2, redis_port = (base_port + i for i in range(6))
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def spawn(name: str, args: list[str], port: int) -> None:
+        log = (workdir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+        procs.append((name, proc))
+        _wait_port(port, proc, name)
+
+    kvgate = [sys.executable, "-m", "proxy"]
+    try:
+        spawn("redis", [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1",
+                        "--save", "", "--appendonly", "no", "--dir", str(workdir)], redis_port)
+        for name, port in (("sim-a", s1), ("sim-b", s2)):
+            spawn(name, [*kvgate, "sim", "--port", str(port), "--kv-tokens", str(kv_tokens),
+                         "--model", "qwen3-14b", "--model-dir", str(MODEL_DIR),
+                         "--max-model-len", "8192", "--decode-step-ms", str(decode_step_ms)],
+                  port)
+        for name, port in (("kvgate-1", r1), ("kvgate-2", r2)):
+            config = workdir / f"{name}.toml"
+            config.write_text(_replica_config(port, redis_port, [s1, s2], kv_tokens))
+            spawn(name, [*kvgate, "serve", "--config", str(config)], port)
+        template = (ROOT / "deploy" / "nginx-local.conf.template").read_text()
+        nginx_conf = workdir / "nginx.conf"
+        nginx_conf.write_text(template.replace("@PREFIX@", str(workdir))
+                              .replace("@LB_PORT@", str(lb))
+                              .replace("@R1@", str(r1)).replace("@R2@", str(r2)))
+        spawn("nginx", [nginx, "-p", str(workdir), "-c", str(nginx_conf)], lb)
+        print(f"kvgate local stack: load balancer http://127.0.0.1:{lb}", flush=True)
+        print(f"  replicas :{r1} :{r2}, simulated backends :{s1} :{s2}, redis :{redis_port}; "
+              f"logs in {workdir}", flush=True)
+        stop = False
+
+        def on_signal(_sig: int, _frame: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not stop:
+            for name, proc in procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with status {proc.returncode}")
+            time.sleep(0.2)
+    finally:
+        for _name, proc in reversed(procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _name, proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)

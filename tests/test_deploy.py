@@ -1,0 +1,215 @@
+"""Deployment: compose.yaml is consistent, its configs pass check-config, and the same stack
+runs without containers (`kvgate local-stack`) and holds one ceiling across replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis
+import yaml
+
+from proxy.cli import check_config_report, main
+from proxy.config import parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    return data
+
+
+def dotenv() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / ".env").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def test_compose_references_exist_and_ports_do_not_collide() -> None:
+    services = compose()["services"]
+    assert {"redis", "kvgate-1", "kvgate-2", "lb", "sim-a", "sim-b", "vllm-a",
+            "vllm-b"} <= set(services)
+    host_ports: list[str] = []
+    for name, svc in services.items():
+        build = svc.get("build")
+        if build is not None:
+            context = ROOT / (build if isinstance(build, str) else build["context"])
+            assert (context / "Dockerfile").is_file(), name
+        for volume in svc.get("volumes", []):
+            host = volume.split(":")[0]
+            if host.startswith("./"):
+                assert (ROOT / host).exists(), f"{name}: {host}"
+        for port in svc.get("ports", []):
+            host_ports.append(str(port).rsplit(":", 1)[0])
+    assert len(host_ports) == len(set(host_ports))
+    # sim profile backends and gpu profile backends are exclusive
+    assert services["sim-a"]["profiles"] == ["sim"]
+    assert services["vllm-a"]["profiles"] == ["gpu"]
+    assert services["vllm-a"]["deploy"]["resources"]["reservations"]["devices"][0][
+        "capabilities"] == ["gpu"]
+
+
+def test_compose_env_vars_are_defined_in_dotenv() -> None:
+    used = set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", (ROOT / "compose.yaml").read_text()))
+    defined = dotenv()
+    assert used, "compose.yaml should be parameterised"
+    assert used <= set(defined), used - set(defined)
+    assert defined["COMPOSE_PROFILES"] == "sim"
+
+
+def test_dockerfile_copies_what_exists_and_runs_as_non_root() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    for src in re.findall(r"^COPY (\S+)", text, flags=re.M):
+        for part in src.split():
+            assert (ROOT / part).exists(), part
+    assert re.search(r"^USER kvgate", text, flags=re.M)
+    assert "HEALTHCHECK" in text and "/healthz" in text
+    cmd_config = re.search(r'"--config", "/app/(\S+)"', text)
+    assert cmd_config is not None and (ROOT / cmd_config.group(1)).is_file()
+
+
+@pytest.mark.parametrize("config", ["deploy/kvgate-sim.toml", "deploy/kvgate-gpu.toml"])
+def test_compose_kvgate_configs_pass_check_config(
+    config: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the image keeps /app/deploy and /app/models as in the repo, so paths resolve alike
+    in_image = dotenv()["KVGATE_CONFIG"].removeprefix("/app/")
+    assert (ROOT / in_image).is_file()
+    assert main(["check-config", str(ROOT / config)]) == 0
+    assert "valid" in capsys.readouterr().out
+    report = check_config_report(str(ROOT / config))
+    backends = report["models"][0]["backends"]  # type: ignore[index]
+    names = {b["url"].split("//")[1].split(":")[0] for b in backends}
+    services = compose()["services"]
+    assert names <= set(services)
+
+
+def test_gpu_config_capacity_is_the_plan_figure() -> None:
+    report = check_config_report(str(ROOT / "deploy" / "kvgate-gpu.toml"))
+    # 40960 MiB x 0.9 - 29.6e9 weights - 2 GiB reserve = 6,907,222,016 B;
+    # / 163,840 B per token -> 2,634 whole 16-token blocks = 42,144 tokens
+    assert report["models"][0]["backends"][0]["capacity_tokens"] == 42_144  # type: ignore[index]
+
+
+def test_example_configs_derive_the_documented_capacities() -> None:
+    import tomllib
+
+    qwen = check_config_report(str(ROOT / "deploy/examples/qwen3-14b-1x40gb.toml"))
+    assert qwen["models"][0]["backends"][0]["capacity_tokens"] == 42_144  # type: ignore[index]
+    example = ROOT / "deploy/examples/llama-3.1-70b-tp4-80gb.toml"
+    data = tomllib.loads(example.read_text())
+    # the tokenizer directory is the operator's; the capacity needs only config.json
+    data["models"][0]["path"] = str(ROOT / "models" / "qwen3-14b")
+    cfg = parse_config(data, base=example.parent)
+    assert cfg.models[0].capacity_tokens == 456_208
+    assert cfg.models[0].deployment is not None
+    assert cfg.models[0].deployment.kv_bytes_per_token == 81_920
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    assert "456,208 tokens" in docs and "42,144 tokens" in docs
+
+
+def free_base_port(span: int = 6) -> int:
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + span > 65535:
+            continue
+        ok = True
+        for port in range(base, base + span):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+def test_local_stack_through_load_balancer_holds_ceiling_across_replicas(tmp_path: Path) -> None:
+    base = free_base_port()
+    kv_tokens = 2048
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "local-stack", "--base-port", str(base),
+         "--workdir", str(tmp_path), "--kv-tokens", str(kv_tokens), "--decode-step-ms", "2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    lb = f"http://127.0.0.1:{base}"
+    replicas = [f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"]
+    r = redis.Redis(host="127.0.0.1", port=base + 5)
+    keys = [f"kvgate-local:{{sim-{x}}}:resident" for x in "ab"]
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as s:
+            async with asyncio.timeout(60):
+                while True:
+                    try:
+                        async with s.get(f"{lb}/readyz") as resp:
+                            if resp.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    if proc.poll() is not None:
+                        raise AssertionError(proc.stdout.read() if proc.stdout else b"")
+                    await asyncio.sleep(0.2)
+            peaks = [0, 0]
+
+            async def sample() -> None:
+                while True:
+                    for i, v in enumerate(r.mget(keys)):
+                        peaks[i] = max(peaks[i], int(v or 0))
+                    await asyncio.sleep(0.005)
+
+            statuses: list[int] = []
+
+            async def one(i: int) -> None:
+                body = {"model": "qwen3-14b", "max_tokens": 250,
+                        "messages": [{"role": "user", "content": f"through nginx {i}"}]}
+                async with s.post(f"{lb}/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    statuses.append(resp.status)
+
+            sampler = asyncio.create_task(sample())
+            async with asyncio.timeout(60):
+                await asyncio.gather(*(one(i) for i in range(36)))
+            sampler.cancel()
+            assert max(peaks) <= kv_tokens
+            assert sum(peaks) > kv_tokens  # both backends carried load
+            assert set(statuses) <= {200, 429}
+            assert statuses.count(200) >= 10
+            served = []
+            for url in replicas:
+                async with s.get(f"{url}/metrics") as resp:
+                    text = await resp.text()
+                served.append(sum(float(m) for m in re.findall(
+                    r'kvgate_requests_total\{model="qwen3-14b",outcome="completed"\} (\S+)',
+                    text)))
+            assert all(n > 0 for n in served), served  # nginx used both replicas
+            async with asyncio.timeout(10):
+                while any(int(v or 0) for v in r.mget(keys)):
+                    await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    time.sleep(0.2)
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", base)) != 0  # the stack stopped with it
