@@ -17,13 +17,30 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["run_local_stack"]
+__all__ = ["run_local_stack", "spawn_logged", "stop_process", "wait_port"]
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "qwen3-14b"
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], name: str, timeout_s: float = 30) -> None:
+def spawn_logged(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start a process in its own session (so its group can be stopped), output to `log`."""
+    with log.open("wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], name: str, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -79,11 +96,9 @@ def run_local_stack(*, base_port: int, workdir: Path, kv_tokens: int,
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def spawn(name: str, args: list[str], port: int) -> None:
-        log = (workdir / f"{name}.log").open("wb")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
+        proc = spawn_logged(args, workdir / f"{name}.log")
         procs.append((name, proc))
-        _wait_port(port, proc, name)
+        wait_port(port, proc, name)
 
     kvgate = [sys.executable, "-m", "proxy"]
     try:
@@ -122,10 +137,4 @@ def run_local_stack(*, base_port: int, workdir: Path, kv_tokens: int,
             time.sleep(0.2)
     finally:
         for _name, proc in reversed(procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for _name, proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_process(proc)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from proxy.stack import spawn_logged, stop_process, wait_port
 from tests.support.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,28 +17,13 @@ class Proc:
     def __init__(self, args: list[str], port: int, log: Path) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "proxy", *args], cwd=ROOT,
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = spawn_logged([sys.executable, "-m", "proxy", *args], log)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"process exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"port {self.port} did not open")
+        wait_port(self.port, self.proc, self.url, timeout_s)
 
     def kill(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(timeout=10)
-        self._log.close()
+        stop_process(self.proc, sig)
 
 
 def start_sim(tmp: Path, *, kv_tokens: int, decode_step_ms: float, name: str) -> Proc:

@@ -1,0 +1,164 @@
+"""An async load generator: open-loop arrivals (trace or Poisson) or closed-loop workers.
+
+Every request streams; the generator records status, contract code, queue wait (from
+kvgate's header), time to first token, end-to-end latency and tokens out. A hard stop
+bounds every run: requests still open then are cut and recorded as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from benchmarks.suite.workloads import PromptBuilder, RequestSpec
+
+CUT = "cut_at_benchmark_end"
+
+
+@dataclass(slots=True)
+class Result:
+    spec: RequestSpec
+    sent_s: float = 0.0
+    status: int = 0
+    code: str | None = None
+    queue_wait_s: float | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    tokens_out: int = 0
+    deadline_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.code is None
+
+
+@dataclass(slots=True)
+class Sample:
+    t: float
+    resident: int  # tokens the backends really hold (their KV pools)
+    reserved: int | None  # tokens kvgate has reserved (None when direct)
+    capacity: int
+    queued: int  # requests waiting (kvgate's queue, or the engines' own queues)
+
+
+@dataclass(slots=True)
+class Run:
+    label: str
+    results: list[Result]
+    samples: list[Sample] = field(default_factory=list)
+    preemptions: int = 0
+    duration_s: float = 0.0
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+               headers: dict[str, str], result: Result, t0: float) -> None:
+    start = time.perf_counter()
+    result.sent_s = start - t0
+    async with session.post(f"{url}/v1/chat/completions", json=body,
+                            headers=headers) as resp:
+        result.status = resp.status
+        wait = resp.headers.get("x-kvgate-queue-wait-ms")
+        result.queue_wait_s = float(wait) / 1000 if wait is not None else None
+        if resp.status != 200:
+            data = await resp.json(content_type=None)
+            result.code = str(data.get("error", {}).get("code"))
+            result.latency_s = time.perf_counter() - start
+            return
+        async for line in resp.content:
+            if not line.startswith(b"data: "):
+                if line.startswith(b"event: error"):
+                    result.code = "stream_error"
+                continue
+            if b'"delta":{"content":"' in line:
+                if result.ttft_s is None:
+                    result.ttft_s = time.perf_counter() - start
+                result.tokens_out += 1
+            elif b'"usage"' in line:
+                usage = json.loads(line[6:]).get("usage") or {}
+                result.tokens_out = int(usage.get("completion_tokens", result.tokens_out))
+        result.latency_s = time.perf_counter() - start
+
+
+async def run_open_loop(
+    targets: Sequence[str], specs: Sequence[RequestSpec], builder: PromptBuilder, *,
+    hard_stop_s: float, deadline_s: float | None = None, label: str = "",
+    sampler: Callable[[float], Any] | None = None,
+) -> Run:
+    """Send each spec at its arrival time, round-robin over `targets`."""
+    results = [Result(spec=s, deadline_s=deadline_s) for s in specs]
+    bodies = [builder.body(s) for s in specs]
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=hard_stop_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        bar = tqdm(total=len(specs), desc=label, unit="req", leave=False, mininterval=0.5)
+
+        async def send(i: int) -> None:
+            spec = specs[i]
+            await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
+            headers = {"x-kvgate-priority": spec.priority} if spec.priority else {}
+            try:
+                await _one(session, targets[i % len(targets)], bodies[i], headers,
+                           results[i], t0)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                results[i].code = f"client_error:{type(exc).__name__}"
+            finally:
+                bar.update(1)
+
+        sampling = asyncio.create_task(_sample_loop(sampler, t0)) if sampler else None
+        tasks = [asyncio.create_task(send(i)) for i in range(len(specs))]
+        _done, pending = await asyncio.wait(tasks, timeout=hard_stop_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for r in results:
+            if r.latency_s is None and r.code is None:
+                r.code = CUT
+        duration = time.perf_counter() - t0
+        if sampling is not None:
+            sampling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampling
+        bar.close()
+    return Run(label=label, results=results, duration_s=duration)
+
+
+async def _sample_loop(sampler: Callable[[float], Any], t0: float) -> None:
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            await sampler(time.perf_counter() - t0)
+        await asyncio.sleep(0.1)
+
+
+async def run_closed_loop(
+    target: str, specs: Sequence[RequestSpec], builder: PromptBuilder, *,
+    concurrency: int, hard_stop_s: float, label: str = "",
+) -> Run:
+    """`concurrency` workers, each sending its next request when the last one ends."""
+    results = [Result(spec=s) for s in specs]
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(specs)):
+        queue.put_nowait(i)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                await _one(session, target, builder.body(specs[i]), {}, results[i], t0)
+
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(hard_stop_s):
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+        for r in results:
+            if r.latency_s is None and r.code is None:
+                r.code = CUT
+        return Run(label=label, results=results, duration_s=time.perf_counter() - t0)
