@@ -181,7 +181,15 @@ class AdmissionController:
 
     @property
     def max_capacity_tokens(self) -> int:
+        """Largest known capacity; a backend whose capacity is not known yet counts 0."""
         return max(b.capacity_tokens for b in self.backends)
+
+    def set_capacity(self, backend: Backend, capacity_tokens: int) -> None:
+        """A new capacity applies to the next reservation; live leases stay as they are."""
+        if capacity_tokens < 0:
+            raise ValueError(f"`capacity_tokens` must be >= 0. Given: {capacity_tokens}")
+        backend.capacity_tokens = capacity_tokens
+        self.kick()
 
     def rooms(self) -> list[BackendRoom]:
         return [
@@ -203,6 +211,10 @@ class AdmissionController:
     async def acquire(self, demand: Demand, deadline: float) -> Lease:
         """A lease now, or after waiting until `deadline` (loop time), or an error."""
         loop = asyncio.get_running_loop()
+        if not any(b.healthy and b.capacity_tokens > 0 for b in self.backends):
+            raise NoBackend(
+                f"no healthy backend serves model {self.model!r}", retry_after_s=5.0
+            )
         if demand.tokens > self.max_capacity_tokens:
             raise RequestTooLarge(
                 f"demand {demand.tokens} tokens ({demand.prompt_tokens} prompt + "
@@ -211,10 +223,6 @@ class AdmissionController:
                 f"{self.max_capacity_tokens} tokens of model {self.model!r}; "
                 "it can never be admitted",
                 param="max_tokens",
-            )
-        if not any(b.healthy for b in self.backends):
-            raise NoBackend(
-                f"no healthy backend serves model {self.model!r}", retry_after_s=5.0
             )
         if not self._waiters:
             lease = await self._try_place(demand)

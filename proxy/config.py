@@ -90,6 +90,7 @@ class ModelConfig:
     capacity_tokens: int
     capacity_source: str  # "measured kv_tokens" or "estimate from ..."
     backends: tuple[BackendConfig, ...]
+    capacity_from_backend: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -236,7 +237,7 @@ def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
 _DEPLOYMENT_KEYS = {
     "kv_tokens", "block_size", "model_config", "usable_memory", "gpu_memory_utilization",
     "weights_bytes", "params", "weight_bits", "reserve_bytes", "overhead", "tp", "pp",
-    "cache_dtype",
+    "cache_dtype", "capacity_from_backend",
 }
 
 
@@ -266,6 +267,12 @@ def _deployment(
             config_len = max_model_len_from_hf_config(raw)
         except (OSError, json.JSONDecodeError, ValueError) as exc:
             raise ConfigError(f"`{w}model_config` ({config_path}): {exc}") from exc
+    from_backend = data.get("capacity_from_backend", False)
+    if not isinstance(from_backend, bool):
+        raise ConfigError(f"`{w}capacity_from_backend` must be true or false")
+    if from_backend and "kv_tokens" not in data and "usable_memory" not in data:
+        # Nothing is admitted to a backend until its /metrics has given its capacity.
+        return deployment, block_size, 0, "backend metrics (vllm:cache_config_info)", config_len
     if "kv_tokens" in data:
         kv_tokens = _int(data, "kv_tokens", w, None, minimum=block_size)
         capacity = kv_tokens // block_size * block_size
@@ -333,8 +340,9 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             f"`{w}placement` must be one of {sorted(p.value for p in PlacementName)}. "
             f"Given: {placement_name!r}"
         ) from exc
+    deployment_table = _table(data, "deployment", w)
     deployment, block_size, capacity, source, config_len = _deployment(
-        _table(data, "deployment", w), f"{w}deployment.", path, base
+        deployment_table, f"{w}deployment.", path, base
     )
     max_len = data.get("max_model_len", config_len)
     if max_len is None:
@@ -364,6 +372,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         name=name, path=path, max_model_len=max_model_len, output=output, placement=placement,
         deployment=deployment, block_size=block_size, capacity_tokens=capacity,
         capacity_source=source, backends=tuple(backends),
+        capacity_from_backend=bool(deployment_table.get("capacity_from_backend", False)),
     )
 
 

@@ -72,6 +72,9 @@ class Metrics:
         self._headroom.setdefault(backend, capacity_tokens)
         self._headroom_min.labels(backend).set(self._headroom[backend])
 
+    def capacity_changed(self, backend: str, capacity_tokens: int) -> None:
+        self._capacity.labels(backend).set(capacity_tokens)
+
     def backend_state(self, backend: str, *, resident: int, capacity: int, inflight: int) -> None:
         self._resident.labels(backend).set(resident)
         self._resident_seen.labels(backend).observe(resident)

@@ -25,6 +25,7 @@ from policies.output import decide_output
 from proxy.admission import AdmissionController, Backend, Demand, Lease
 from proxy.capacity import cdiv
 from proxy.config import KvgateConfig, ModelConfig
+from proxy.engine_metrics import kv_capacity_tokens
 from proxy.errors import (
     ContextLengthExceeded,
     InvalidRequest,
@@ -90,6 +91,7 @@ class ProxyState:
             self.models[mc.name] = ModelRuntime(mc, controller)
             for b in backends:
                 metrics.backend_configured(b.name, b.capacity_tokens)
+                b.healthy = b.capacity_tokens > 0  # unknown capacity: not ready yet
 
     def _on_lease_event(self, kind: str, lease: Lease | None) -> None:
         if lease is None:
@@ -451,6 +453,17 @@ async def _probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
         return False
 
 
+async def _measured_capacity(session: aiohttp.ClientSession, backend: Backend) -> int | None:
+    try:
+        async with session.get(f"{backend.url}/metrics",
+                               timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+            if resp.status != 200:
+                return None
+            return kv_capacity_tokens(await resp.text())
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return None
+
+
 async def _health_loop(state: ProxyState) -> None:
     interval = state.config.server.health_interval_s
     while True:
@@ -458,6 +471,15 @@ async def _health_loop(state: ProxyState) -> None:
         for model in state.models.values():
             for backend in model.controller.backends:
                 healthy = await _probe(state.session, backend)
+                if healthy and model.config.capacity_from_backend:
+                    measured = await _measured_capacity(state.session, backend)
+                    if measured is not None and measured != backend.capacity_tokens:
+                        logging.getLogger("kvgate").warning(
+                            "backend %s reports %d KV tokens (was %d)", backend.name,
+                            measured, backend.capacity_tokens)
+                        model.controller.set_capacity(backend, measured)
+                        state.metrics.capacity_changed(backend.name, measured)
+                    healthy = backend.capacity_tokens > 0
                 if healthy != backend.healthy:
                     logging.getLogger("kvgate").warning(
                         "backend %s is %s", backend.name, "healthy" if healthy else "unhealthy")

@@ -343,3 +343,46 @@ def test_non_retryable_errors_say_so_and_context_message_wording() -> None:
 def test_core_module_does_not_import_aiohttp(module: str) -> None:
     code = f"import sys, {module}; assert 'aiohttp' not in sys.modules, '{module}'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_capacity_change_keeps_live_leases_and_applies_to_next_reservation() -> None:
+    async def scenario() -> None:
+        c, ledger = controller(capacity=100)
+        held = await c.acquire(demand(80), soon())
+        c.set_capacity(c.backends[0], 60)  # the backend now reports less
+        assert ledger.resident("b0") == 80 and not held.released
+        waiting = asyncio.create_task(c.acquire(demand(50), soon()))
+        await asyncio.sleep(0.02)
+        assert not waiting.done()  # 80 + 50 > 60: waits
+        held.release()
+        lease = await asyncio.wait_for(waiting, 1)
+        c.set_capacity(c.backends[0], 200)
+        more = await asyncio.wait_for(c.acquire(demand(150), soon()), 1)
+        assert ledger.resident("b0") == 200
+        lease.release()
+        more.release()
+
+    asyncio.run(scenario())
+
+
+def test_backend_with_unknown_capacity_is_no_backend_not_too_large() -> None:
+    async def scenario() -> None:
+        c, _ = controller(capacity=0)
+        with pytest.raises(NoBackend):
+            await c.acquire(demand(10), soon())
+
+    asyncio.run(scenario())
+
+
+def test_engine_metrics_give_measured_capacity() -> None:
+    from proxy.engine_metrics import kv_capacity_tokens
+
+    vllm_text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",gpu_memory_utilization='
+        '"0.9",num_cpu_blocks="2048",num_gpu_blocks="27350",prefix_caching_hash_algo="sha256"}'
+        " 1.0\n"
+    )
+    assert kv_capacity_tokens(vllm_text) == 437_600
+    assert kv_capacity_tokens("vllm:num_requests_running 3\n") is None
+    assert kv_capacity_tokens('vllm:cache_config_info{block_size="16"} 1\n') is None

@@ -471,3 +471,27 @@ def test_body_goes_upstream_byte_identical_with_backend_key_and_no_hop_headers()
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_capacity_read_from_backend_metrics() -> None:
+    async def scenario() -> None:
+        deployment = {"capacity_from_backend": True, "block_size": 16}
+        async with running_stack(backends=1, kv_tokens=3000,
+                                 model={"deployment": deployment}) as stack, \
+                aiohttp.ClientSession() as s:
+            backend = stack.state.backends()[0]
+            async with asyncio.timeout(5):
+                while backend.capacity_tokens == 0:
+                    await asyncio.sleep(0.05)
+            assert backend.capacity_tokens == 2992  # 187 blocks x 16, as the sim reports
+            async with s.get(f"{stack.url}/readyz") as r:
+                assert r.status == 200
+            async with s.post(f"{stack.url}/v1/chat/completions",
+                              json={"model": MODEL, "messages": MSGS, "max_tokens": 2990}) as r:
+                assert r.status == 413
+            async with s.post(f"{stack.url}/v1/chat/completions",
+                              json={"model": MODEL, "messages": MSGS, "max_tokens": 20}) as r:
+                assert r.status == 200
+            await settle(stack)
+
+    asyncio.run(scenario())
