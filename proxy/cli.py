@@ -269,18 +269,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from proxy.config import load_config
     from proxy.server import start_proxy
+    from proxy.sim.server import serve_forever
 
     config = load_config(args.config)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     async def serve() -> None:
         runner = await start_proxy(config)
-        print(f"kvgate: listening on http://{config.server.host}:{config.server.port}",
-              flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
+        await serve_forever(runner, f"kvgate: listening on http://{config.server.host}:{{port}}")
 
     asyncio.run(serve())
     return 0

@@ -179,17 +179,7 @@ def validate(raw: bytes, endpoint: Endpoint) -> ValidRequest:
                     "max_completion_tokens",
                 )
             max_tokens, field = completion, "max_completion_tokens"
-        return ValidRequest(
-            endpoint=endpoint,
-            model=model,
-            stream=stream,
-            n=n,
-            max_tokens=max_tokens,
-            max_tokens_field=field,
-            chat=_chat(body),
-            prompts=(),
-            body=body,
-        )
+    chat = endpoint is Endpoint.CHAT
     return ValidRequest(
         endpoint=endpoint,
         model=model,
@@ -197,8 +187,8 @@ def validate(raw: bytes, endpoint: Endpoint) -> ValidRequest:
         n=n,
         max_tokens=max_tokens,
         max_tokens_field=field,
-        chat=None,
-        prompts=_prompts(body.get("prompt")),
+        chat=_chat(body) if chat else None,
+        prompts=() if chat else _prompts(body.get("prompt")),
         body=body,
     )
 

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from proxy.sim.server import bound_port
+from tests.support.servers import fake_backend
 from tests.support.stack import MODEL, Stack, running_stack
 
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -299,30 +300,18 @@ def test_upstream_failure_mid_stream_ends_with_sse_error_event() -> None:
         request.transport.close()
         return resp
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
     async def scenario() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", broken)
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            url = f"http://127.0.0.1:{bound_port(runner)}"
-            async with running_stack(backends=0, extra_backend_urls=[url]) as stack, \
-                    aiohttp.ClientSession() as s:
-                body = {"model": MODEL, "messages": MSGS, "max_tokens": 5, "stream": True}
-                async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
-                    text = (await resp.read()).decode()
-                assert resp.status == 200
-                assert '"content":"hi"' in text
-                assert "event: error" in text and '"code": "upstream_error"' in text
-                assert "[DONE]" not in text
-                await settle(stack)
-        finally:
-            await runner.cleanup()
+        async with fake_backend(broken) as url, \
+                running_stack(backends=0, extra_backend_urls=[url]) as stack, \
+                aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": MSGS, "max_tokens": 5, "stream": True}
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                text = (await resp.read()).decode()
+            assert resp.status == 200
+            assert '"content":"hi"' in text
+            assert "event: error" in text and '"code": "upstream_error"' in text
+            assert "[DONE]" not in text
+            await settle(stack)
 
     asyncio.run(scenario())
 
@@ -436,39 +425,27 @@ def test_body_goes_upstream_byte_identical_with_backend_key_and_no_hop_headers()
         return web.json_response({"ok": True}, headers={"Connection": "keep-alive",
                                                         "x-backend": "yes"})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
     async def scenario() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", capture)
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            url = f"http://127.0.0.1:{bound_port(runner)}"
-            async with running_stack(backends=0, extra_backend_urls=[url]) as stack, \
-                    aiohttp.ClientSession() as s:
-                stack.state.models[MODEL].controller.backends[0].api_key = "backend-secret"
-                # odd spacing and key order must survive: the bytes are not re-serialised
-                raw = (b'{ "max_tokens" : 5,"model":"qwen3-14b",  "messages": '
-                       b'[{"role":"user","content":"caf\\u00e9"}], "temperature": 0.70}')
-                async with s.post(f"{stack.url}/v1/chat/completions", data=raw, headers={
-                    "Content-Type": "application/json", "Authorization": "Bearer client-key",
-                    "x-kvgate-deadline-ms": "1000", "X-Custom": "kept",
-                }) as resp:
-                    assert resp.status == 200
-                    assert resp.headers["x-backend"] == "yes"
-                    assert "x-kvgate-prompt-tokens" in resp.headers
-                body, headers = seen[0]
-                assert body == raw
-                assert headers["Authorization"] == "Bearer backend-secret"
-                assert headers["X-Custom"] == "kept"
-                assert not any(k.lower().startswith("x-kvgate-") for k in headers)
-                await settle(stack)
-        finally:
-            await runner.cleanup()
+        async with fake_backend(capture) as url, \
+                running_stack(backends=0, extra_backend_urls=[url]) as stack, \
+                aiohttp.ClientSession() as s:
+            stack.state.models[MODEL].controller.backends[0].api_key = "backend-secret"
+            # odd spacing and key order must survive: the bytes are not re-serialised
+            raw = (b'{ "max_tokens" : 5,"model":"qwen3-14b",  "messages": '
+                   b'[{"role":"user","content":"caf\\u00e9"}], "temperature": 0.70}')
+            async with s.post(f"{stack.url}/v1/chat/completions", data=raw, headers={
+                "Content-Type": "application/json", "Authorization": "Bearer client-key",
+                "x-kvgate-deadline-ms": "1000", "X-Custom": "kept",
+            }) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-backend"] == "yes"
+                assert "x-kvgate-prompt-tokens" in resp.headers
+            body, headers = seen[0]
+            assert body == raw
+            assert headers["Authorization"] == "Bearer backend-secret"
+            assert headers["X-Custom"] == "kept"
+            assert not any(k.lower().startswith("x-kvgate-") for k in headers)
+            await settle(stack)
 
     asyncio.run(scenario())
 

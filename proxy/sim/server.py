@@ -327,15 +327,20 @@ def bound_port(runner: web.AppRunner) -> int:
     raise RuntimeError("runner has no TCP address")
 
 
+async def serve_forever(runner: web.AppRunner, banner: str) -> None:
+    """Print where it listens, then serve until cancelled (Ctrl-C), cleaning up after."""
+    print(banner.format(port=bound_port(runner)), flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
 def run_sim(settings: SimSettings, host: str, port: int) -> None:
     async def serve() -> None:
         runner = await start_sim(settings, host, port)
-        print(f"kvgate sim: {settings.model} on http://{host}:{bound_port(runner)} "
-              f"({settings.engine.num_blocks} blocks x {settings.engine.block_size} tokens)",
-              flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
+        await serve_forever(runner, f"kvgate sim: {settings.model} on http://{host}:{{port}} "
+                            f"({settings.engine.num_blocks} blocks x "
+                            f"{settings.engine.block_size} tokens)")
 
     asyncio.run(serve())

@@ -21,3 +21,23 @@ async def running_sim(**kwargs: Any) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{bound_port(runner)}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def fake_backend(chat_handler: Any) -> AsyncIterator[str]:
+    """A minimal backend: the given chat handler and a healthy /health."""
+    from aiohttp import web
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat_handler)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{bound_port(runner)}"
+    finally:
+        await runner.cleanup()
