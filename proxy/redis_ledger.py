@@ -204,6 +204,10 @@ class RedisLedger:
                 keys=self.keys(backend),
                 args=[lease_id, tokens, capacity, self._ttl_ms, self._channel, backend],
             )
+        except asyncio.CancelledError:
+            # The script may have run: undo it (the release script ignores unknown leases).
+            self._ops.put_nowait(("release", backend, lease_id))
+            raise
         except _CONNECTION_ERRORS as exc:
             self._set_available(False)
             raise LedgerUnavailable(

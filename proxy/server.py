@@ -289,7 +289,6 @@ async def _serve(
     deadline = _deadline(request, state)
     controller = model.controller
     queued_at = asyncio.get_running_loop().time()
-    state.metrics.queue_depth(model.config.name, controller.queue_depth + 1)
     try:
         lease = await controller.acquire(demand, deadline)
     except asyncio.CancelledError:

@@ -44,6 +44,7 @@ def test_redis_reserve_over_capacity_returns_false_release_twice_is_noop(
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 40
             led.release(b)
+            await asyncio.sleep(0.4)  # writes resume: the reserve runs, then its undo
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
         finally:
@@ -134,6 +135,7 @@ def test_redis_live_leases_survive_many_ttls_by_renewal(redis_server: RedisServe
             assert await led.resident_now("gpu-a") == 70
             assert not await led.reserve("gpu-a", lid(), 31, 100)
             led.release(lease)
+            await asyncio.sleep(0.4)  # writes resume: the reserve runs, then its undo
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
         finally:
@@ -206,9 +208,11 @@ def test_redis_outage_refuses_admission_and_restores_exact_accounting(
             assert await led.resident_now("gpu-a") == 30
             assert led.readded_total >= 1
             led.release(kept)
+            await asyncio.sleep(0.4)  # writes resume: the reserve runs, then its undo
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
         finally:
             await led.close()
 
     asyncio.run(scenario())
+
