@@ -20,11 +20,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.bench_proxy import load as closed_load
-from benchmarks.bench_proxy import pct as proxy_pct
 from benchmarks.suite.cluster import SimParams, cluster
-from benchmarks.suite.loadgen import Run, run_open_loop
-from benchmarks.suite.report import Summary, plot, summarize, table
+from benchmarks.suite.loadgen import Run, run_closed_loop, run_open_loop
+from benchmarks.suite.report import Summary, pct, plot, summarize, table
 from benchmarks.suite.workloads import (
     PromptBuilder,
     RequestSpec,
@@ -165,20 +163,31 @@ def _short_requests(runs: list[Run]) -> str:
         short = [r.ttft_s for r in run.results
                  if r.spec.kind == "short" and r.ok and r.ttft_s is not None]
         longs = sum(1 for r in run.results if r.spec.kind == "long" and r.ok)
-        p50, p99 = proxy_pct(short, 0.5) if short else 0, proxy_pct(short, 0.99) if short else 0
+        p50, p99 = pct(short, 0.5) or 0.0, pct(short, 0.99) or 0.0
         lines.append(f"| {run.label} | {len(short)} | {p50 * 1000:,.0f} / {p99 * 1000:,.0f} "
                      f"| {longs} |")
     return "\n".join(lines)
 
 
 async def overhead(requests_scale: float) -> str:
-    """Added latency and throughput ratio vs direct, memory and Redis ledgers."""
+    """Added latency and throughput ratio vs direct, memory and Redis ledgers (closed loop)."""
     from tests.support.redis_server import RedisServer
 
     params = SimParams(kv_tokens=1_000_000, decode_step_ms=1.0, per_seq_ms=0.0,
                        prefill_tokens_per_s=0.0)
+    builder = PromptBuilder(load_counter(ROOT / "models" / "qwen3-14b"))
     lines = ["| ledger | mode | concurrency | direct p50 / p99 ms | kvgate p50 / p99 ms | "
              "added p50 / p99 ms | throughput ratio |", "|---|---|---|---|---|---|---|"]
+
+    async def measure(url: str, n: int, conc: int, stream: bool) -> tuple[list[float], float]:
+        specs = [RequestSpec(arrival_s=0, prompt_tokens=24, max_tokens=32)] * n
+        run = await run_closed_loop(url, specs, builder, concurrency=conc, hard_stop_s=120,
+                                    stream=stream)
+        latencies = [r.latency_s for r in run.results if r.ok and r.latency_s is not None]
+        if len(latencies) != n:
+            raise RuntimeError(f"{n - len(latencies)} of {n} overhead requests failed")
+        return latencies, n / run.duration_s
+
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp))
         redis.start()
@@ -190,14 +199,12 @@ async def overhead(requests_scale: float) -> str:
                     for stream in (False, True):
                         for conc in (1, 32, 128):
                             n = max(40, int(conc * 2 * requests_scale))
-                            kw = {"requests": n, "concurrency": conc, "stream": stream,
-                                  "max_tokens": 32}
-                            await closed_load(c.sims[0], **{**kw, "requests": min(n, 64)})
-                            await closed_load(c.proxy, **{**kw, "requests": min(n, 64)})
-                            d_lat, d_tp = await closed_load(c.sims[0], **kw)
-                            p_lat, p_tp = await closed_load(c.proxy, **kw)
-                            d = (proxy_pct(d_lat, 0.5), proxy_pct(d_lat, 0.99))
-                            p = (proxy_pct(p_lat, 0.5), proxy_pct(p_lat, 0.99))
+                            await measure(c.sims[0], min(n, 64), conc, stream)  # warm up
+                            await measure(c.proxy, min(n, 64), conc, stream)
+                            d_lat, d_tp = await measure(c.sims[0], n, conc, stream)
+                            p_lat, p_tp = await measure(c.proxy, n, conc, stream)
+                            d = (pct(d_lat, 0.5) or 0.0, pct(d_lat, 0.99) or 0.0)
+                            p = (pct(p_lat, 0.5) or 0.0, pct(p_lat, 0.99) or 0.0)
                             lines.append(
                                 f"| {ledger} | {'stream' if stream else 'json'} | {conc} | "
                                 f"{d[0] * 1e3:.1f} / {d[1] * 1e3:.1f} | "
@@ -206,8 +213,9 @@ async def overhead(requests_scale: float) -> str:
                                 f"{p_tp / d_tp:.3f} |")
         finally:
             redis.stop()
-    return ("## Proxy overhead\n\nClosed loop, 32 output tokens, 1 ms decode step, same "
-            "backend direct and through kvgate (one run, alternating).\n\n" + "\n".join(lines))
+    return ("## Proxy overhead\n\nClosed loop, 24-token prompts, 32 output tokens, 1 ms "
+            "decode step, the same backend direct and through kvgate (one run).\n\n"
+            + "\n".join(lines))
 
 
 def main() -> None:

@@ -72,6 +72,11 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
             result.code = str(data.get("error", {}).get("code"))
             result.latency_s = time.perf_counter() - start
             return
+        if not body.get("stream"):
+            data = await resp.json()
+            result.ttft_s = result.latency_s = time.perf_counter() - start
+            result.tokens_out = int(data["usage"]["completion_tokens"])
+            return
         async for line in resp.content:
             if not line.startswith(b"data: "):
                 if line.startswith(b"event: error"):
@@ -140,7 +145,7 @@ async def _sample_loop(sampler: Callable[[float], Any], t0: float) -> None:
 
 async def run_closed_loop(
     target: str, specs: Sequence[RequestSpec], builder: PromptBuilder, *,
-    concurrency: int, hard_stop_s: float, label: str = "",
+    concurrency: int, hard_stop_s: float, stream: bool = True, label: str = "",
 ) -> Run:
     """`concurrency` workers, each sending its next request when the last one ends."""
     results = [Result(spec=s) for s in specs]
@@ -153,7 +158,8 @@ async def run_closed_loop(
         async def worker() -> None:
             while not queue.empty():
                 i = queue.get_nowait()
-                await _one(session, target, builder.body(specs[i]), {}, results[i], t0)
+                await _one(session, target, builder.body(specs[i], stream=stream), {},
+                           results[i], t0)
 
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(hard_stop_s):

@@ -120,7 +120,7 @@ class PromptBuilder:
         self._overhead = counter.count_chat(empty)
         self._checked: set[int] = set()
 
-    def body(self, spec: RequestSpec) -> dict[str, Any]:
+    def body(self, spec: RequestSpec, *, stream: bool = True) -> dict[str, Any]:
         n = max(spec.prompt_tokens, self._overhead + 1)
         messages = [{"role": "user", "content": " the" * (n - self._overhead)}]
         if n not in self._checked and len(self._checked) < 64:
@@ -128,5 +128,8 @@ class PromptBuilder:
             if counted != n:
                 raise AssertionError(f"prompt built for {n} tokens counts {counted}")
             self._checked.add(n)
-        return {"model": MODEL, "messages": messages, "max_tokens": spec.max_tokens,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {"model": MODEL, "messages": messages,
+                                "max_tokens": spec.max_tokens, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
