@@ -13,6 +13,7 @@ from typing import Protocol
 
 __all__ = [
     "ORDERINGS",
+    "PRIORITY_CLASSES",
     "Fifo",
     "Ordering",
     "OrderingName",
@@ -42,6 +43,9 @@ class Ordering(Protocol):
     def on_admit(self, waiter: WaiterView) -> None:
         """Account an admission (fair-share policies keep usage)."""
         ...
+
+
+PRIORITY_CLASSES = ("high", "normal", "low")
 
 
 class OrderingName(StrEnum):
@@ -89,7 +93,7 @@ class PriorityFairShare:
     unknown or missing classes rank last.
     """
 
-    classes: tuple[str, ...] = ("high", "normal", "low")
+    classes: tuple[str, ...] = PRIORITY_CLASSES
     weights: Mapping[str, float] | None = None
     _usage: dict[str, float] | None = None
 

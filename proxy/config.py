@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from policies.ordering import ORDERINGS
+from policies.ordering import ORDERINGS, PRIORITY_CLASSES
 from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
 from proxy.capacity import Deployment, MemoryBudget
@@ -60,6 +60,7 @@ class QueueConfig:
     priority_header: str = "x-kvgate-priority"
     tenant_header: str = "x-kvgate-tenant"
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    priority_by_api_key: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,7 +186,7 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
     w = "queue."
     _check_keys(data, {"max_depth", "default_deadline_s", "max_deadline_s", "ordering",
                        "starvation_s", "aging_tokens_per_s", "priority_header",
-                       "tenant_header", "tenant_weights"}, w)
+                       "tenant_header", "tenant_weights", "priority_by_api_key"}, w)
     ordering = _str(data, "ordering", w, "fifo")
     if ordering not in ORDERINGS:
         raise ConfigError(
@@ -196,6 +197,13 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
         isinstance(v, int | float) and v > 0 for v in weights.values()
     ):
         raise ConfigError("`queue.tenant_weights` must map tenant names to numbers > 0")
+    by_key = data.get("priority_by_api_key", {})
+    if not isinstance(by_key, Mapping) or not all(
+        isinstance(v, str) and v in PRIORITY_CLASSES for v in by_key.values()
+    ):
+        raise ConfigError(
+            f"`queue.priority_by_api_key` must map API keys to one of {list(PRIORITY_CLASSES)}"
+        )
     default = _num(data, "default_deadline_s", w, 30.0, minimum=0.0)
     maximum = _num(data, "max_deadline_s", w, max(120.0, default), minimum=0.0)
     if default > maximum:
@@ -212,6 +220,7 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
         priority_header=_str(data, "priority_header", w, "x-kvgate-priority").lower(),
         tenant_header=_str(data, "tenant_header", w, "x-kvgate-tenant").lower(),
         tenant_weights={str(k): float(v) for k, v in weights.items()},
+        priority_by_api_key={str(k): str(v) for k, v in by_key.items()},
     )
 
 

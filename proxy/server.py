@@ -201,6 +201,15 @@ def _tenant(request: web.Request, state: ProxyState) -> str:
     return hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else ""
 
 
+def _priority(request: web.Request, state: ProxyState) -> str:
+    """The class an API key is configured to, else what the priority header says."""
+    q = state.config.queue
+    key = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if key and key in q.priority_by_api_key:
+        return q.priority_by_api_key[key]
+    return request.headers.get(q.priority_header, "")[:32]
+
+
 async def _count(model: ModelRuntime, req: ValidRequest) -> list[int]:
     try:
         if req.chat is not None:
@@ -241,7 +250,7 @@ def _demand(
         set_to = decision.set_max_tokens
         reserve_out = decision.max_tokens
         total += req.n * model.ledger_tokens(prompt_tokens + decision.max_tokens)
-    priority = request.headers.get(state.config.queue.priority_header, "")[:32]
+    priority = _priority(request, state)
     demand = Demand(tokens=total, prompt_tokens=sum(prompts), max_tokens=reserve_out, n=req.n,
                     priority=priority, tenant=_tenant(request, state))
     return demand, set_to

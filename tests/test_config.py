@@ -92,3 +92,10 @@ def test_serve_with_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert "`models[0].path`" in proc.stderr or "`queue.ordering`" in proc.stderr
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "absent.toml")
+
+
+def test_priority_by_api_key_must_name_a_class() -> None:
+    cfg = parse_config({**base(), "queue": {"priority_by_api_key": {"k1": "high"}}}, base=ROOT)
+    assert cfg.queue.priority_by_api_key == {"k1": "high"}
+    with pytest.raises(ConfigError, match="priority_by_api_key"):
+        parse_config({**base(), "queue": {"priority_by_api_key": {"k1": "urgent"}}}, base=ROOT)

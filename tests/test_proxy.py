@@ -472,3 +472,38 @@ def test_capacity_read_from_backend_metrics() -> None:
             await settle(stack)
 
     asyncio.run(scenario())
+
+
+def test_priority_class_from_api_key_goes_first() -> None:
+    async def scenario() -> None:
+        queue = {"ordering": "priority", "priority_by_api_key": {"vip-key": "high",
+                                                                 "batch-key": "low"}}
+        async with running_stack(backends=1, kv_tokens=512, queue=queue,
+                                 engine={"decode_step_ms": 3}) as stack, \
+                aiohttp.ClientSession() as s:
+            finished: list[str] = []
+
+            async def call(key: str, max_tokens: int) -> None:
+                async with s.post(f"{stack.url}/v1/chat/completions",
+                                  json={"model": MODEL, "messages": MSGS,
+                                        "max_tokens": max_tokens},
+                                  headers={"Authorization": f"Bearer {key}",
+                                           "x-kvgate-priority": "high"}) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+                finished.append(key)
+
+            hog = asyncio.create_task(call("hog-key", 300))
+            await asyncio.sleep(0.1)
+            # both need most of the pool; the batch key arrives first and claims "high"
+            batch = asyncio.create_task(call("batch-key", 300))
+            await asyncio.sleep(0.05)
+            vip = asyncio.create_task(call("vip-key", 300))
+            await asyncio.sleep(0.05)
+            assert stack.state.models[MODEL].controller.queue_depth == 2
+            async with asyncio.timeout(10):
+                await asyncio.gather(hog, batch, vip)
+            assert finished == ["hog-key", "vip-key", "batch-key"]
+            await settle(stack)
+
+    asyncio.run(scenario())
