@@ -168,10 +168,16 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         raise RequestTooLarge(
             f"request body is {declared} bytes; the limit is {limit} bytes", param="body"
         )
-    body = await request.content.read(limit + 1)
-    if len(body) > limit:
-        raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes", param="body")
-    return body
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(
+                f"request body exceeds the limit of {limit} bytes", param="body"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _deadline(request: web.Request, state: ProxyState) -> float:

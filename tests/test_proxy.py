@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
@@ -505,5 +506,29 @@ def test_priority_class_from_api_key_goes_first() -> None:
                 await asyncio.gather(hog, batch, vip)
             assert finished == ["hog-key", "vip-key", "batch-key"]
             await settle(stack)
+
+    asyncio.run(scenario())
+
+
+def test_large_body_arriving_in_pieces_is_read_whole() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=200_000) as stack, \
+                aiohttp.ClientSession() as s:
+            content = "word " * 60_000  # ~300 KB of JSON, 60,000 tokens plus the template
+            payload = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [
+                {"role": "user", "content": content}]}).encode()
+
+            async def pieces() -> AsyncIterator[bytes]:
+                for i in range(0, len(payload), 8192):
+                    yield payload[i:i + 8192]
+                    await asyncio.sleep(0)
+
+            async with s.post(f"{stack.url}/v1/chat/completions", data=pieces(),
+                              headers={"Content-Type": "application/json"}) as resp:
+                data = await resp.json()
+            # the whole body was parsed: the count covers all 60,000 words
+            assert resp.status == 400
+            assert data["error"]["code"] == "context_length_exceeded"
+            assert int(resp.headers["x-kvgate-prompt-tokens"]) > 60_000
 
     asyncio.run(scenario())
