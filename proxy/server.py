@@ -336,7 +336,7 @@ async def _serve(
             raise
         if result.first_byte_s is not None:
             state.metrics.first_byte(lease.backend.name, result.first_byte_s)
-        if result.failed_mid_stream:
+        if result.failed_mid_stream or result.status >= 500:
             trace.outcome = Outcome.UPSTREAM_ERROR
         return response
     finally:
