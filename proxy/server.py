@@ -38,7 +38,7 @@ from proxy.errors import (
 from proxy.forward import ForwardResult, forward, make_session
 from proxy.ledger import Ledger, MemoryLedger
 from proxy.metrics import CONTENT_TYPE, Metrics, Outcome
-from proxy.tokenize import TemplateError, TokenCounter, load_counter
+from proxy.tokenize import PromptCounter, TemplateError, load_counter
 from proxy.validation import Endpoint, ValidRequest, validate
 
 __all__ = ["ProxyState", "build_app", "start_proxy"]
@@ -53,7 +53,7 @@ class ModelRuntime:
 
     def __init__(self, config: ModelConfig, controller: AdmissionController) -> None:
         self.config = config
-        self.counter: TokenCounter = load_counter(config.path, name=config.name)
+        self.counter: PromptCounter = load_counter(config.path, name=config.name)
         self.controller = controller
 
     def ledger_tokens(self, resident_tokens: int) -> int:

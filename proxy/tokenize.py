@@ -37,6 +37,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
     "ChatRequest",
+    "MistralTokenCounter",
+    "PromptCounter",
     "TemplateError",
     "TokenCounter",
     "TokenizerLoadError",
@@ -273,7 +275,42 @@ def _special_token_text(value: Any) -> str | None:
     return None
 
 
-class TokenCounter:
+class PromptCounter(Protocol):
+    """What the request path needs from a model's tokenizer."""
+
+    name: str
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    def count_chat(self, chat: ChatRequest) -> int: ...
+
+    def count_prompt(self, prompt: str | Sequence[int]) -> int: ...
+
+    async def count_chat_async(self, chat: ChatRequest) -> int: ...
+
+    async def count_prompt_async(self, prompt: str | Sequence[int]) -> int: ...
+
+
+class _OffLoop:
+    """Counting is CPU-bound: the async variants run it in the shared thread pool."""
+
+    def count_chat(self, chat: ChatRequest) -> int:
+        raise NotImplementedError
+
+    def count_prompt(self, prompt: str | Sequence[int]) -> int:
+        raise NotImplementedError
+
+    async def count_chat_async(self, chat: ChatRequest) -> int:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(count_executor(), self.count_chat, chat)
+
+    async def count_prompt_async(self, prompt: str | Sequence[int]) -> int:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(count_executor(), self.count_prompt, prompt)
+
+
+class TokenCounter(_OffLoop):
     """Counts prompt tokens for one model exactly; load once, share across requests."""
 
     def __init__(
@@ -379,13 +416,55 @@ class TokenCounter:
     def token_id(self, token: str) -> int | None:
         return self._encoder.token_id(token)
 
-    async def count_chat_async(self, chat: ChatRequest) -> int:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(count_executor(), self.count_chat, chat)
 
-    async def count_prompt_async(self, prompt: str | Sequence[int]) -> int:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(count_executor(), self.count_prompt, prompt)
+class MistralTokenCounter(_OffLoop):
+    """Mistral's `tekken.json` through mistral-common, as vLLM's `--tokenizer-mode mistral`.
+
+    vLLM renders Mistral chats with mistral-common's own request encoder, not a jinja
+    template, so the count comes from the same library. Optional: `pip install
+    kvgate[mistral]`.
+    """
+
+    def __init__(self, path: Path, *, name: str) -> None:
+        try:
+            from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+        except ImportError as exc:
+            raise TokenizerLoadError(
+                f"{path.parent} has Mistral's tekken.json; counting it needs mistral-common "
+                "(pip install 'kvgate[mistral]')"
+            ) from exc
+        self.name = name
+        try:
+            self._tok = MistralTokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises many kinds on a bad file
+            raise TokenizerLoadError(f"{path} is not a usable tekken tokenizer: {exc}") from exc
+
+    @property
+    def has_chat_template(self) -> bool:
+        return True
+
+    def count_chat(self, chat: ChatRequest) -> int:
+        from mistral_common.exceptions import MistralCommonException
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+        from pydantic import ValidationError
+
+        if not chat.messages:
+            raise TemplateError("`messages` must not be empty")
+        messages = [{k: v for k, v in m.items() if v is not None} for m in chat.messages]
+        try:
+            request = ChatCompletionRequest.from_openai(messages=messages, tools=chat.tools)
+            tokens: list[int] = self._tok.encode_chat_completion(request).tokens
+        except (MistralCommonException, ValidationError, ValueError, TypeError) as exc:
+            raise TemplateError(f"Mistral request encoder rejected the request: {exc}") from exc
+        return len(tokens)
+
+    def count_prompt(self, prompt: str | Sequence[int]) -> int:
+        if isinstance(prompt, str):
+            ids: list[int] = self._tok.instruct_tokenizer.tokenizer.encode(
+                prompt, bos=True, eos=False
+            )
+            return len(ids)
+        return len(prompt)
 
 
 def _parse_tool_call(call: Any) -> Any:
@@ -461,13 +540,13 @@ _RANK_FILES = {"o200k_harmony": "o200k_base", "p50k_edit": "p50k_base"}
 
 def load_counter(
     model_dir: str | Path, *, name: str | None = None, encoding: str | None = None
-) -> TokenCounter:
+) -> PromptCounter:
     """Load a model directory as vLLM is given one, or `tiktoken:<encoding>`.
 
     Recognised: `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`
     or `chat_template.json`), or a `<encoding>.tiktoken` rank file (`encoding`
-    picks one; `o200k_harmony` reads `o200k_base.tiktoken` and adds its specials). A directory with
-    only Mistral's `tekken.json` is refused with a clear message.
+    picks one; `o200k_harmony` reads `o200k_base.tiktoken` and adds its specials), or
+    Mistral's `tekken.json` (through mistral-common, when installed).
     """
     spec = str(model_dir)
     if spec.startswith("tiktoken:"):
@@ -512,11 +591,7 @@ def load_counter(
                 special_tokens=special,
             )
     if (path / "tekken.json").is_file():
-        raise TokenizerLoadError(
-            f"{path} has only Mistral's tekken.json; kvgate cannot yet count it exactly "
-            "(vLLM serves it in `--tokenizer-mode mistral`). Point kvgate at a directory "
-            "with tokenizer.json"
-        )
+        return MistralTokenCounter(path / "tekken.json", name=label)
     raise TokenizerLoadError(
         f"{path} has no tokenizer: expected tokenizer.json or a <encoding>.tiktoken file"
     )

@@ -218,7 +218,7 @@ def test_directory_without_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(TokenizerLoadError, match="has no tokenizer"):
         load_counter(tmp_path)
     (tmp_path / "tekken.json").write_text("{}")
-    with pytest.raises(TokenizerLoadError, match="only Mistral's tekken.json"):
+    with pytest.raises(TokenizerLoadError, match="is not a usable tekken tokenizer"):
         load_counter(tmp_path)
     with pytest.raises(TokenizerLoadError, match="does not exist"):
         load_counter(tmp_path / "missing")
@@ -269,3 +269,19 @@ def test_cli_count_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "is not valid JSON" in capsys.readouterr().err
     assert main(["count", "--model-dir", str(tmp_path), "--prompt", "x"]) == 2
     assert "has no tokenizer" in capsys.readouterr().err
+
+
+def test_mistral_tekken_counts_as_mistral_common_publishes() -> None:
+    counter = load_counter(MODELS / "mistral-nemo-instruct-2407")
+    # 32: mistral-common 1.13.1 encode_chat_completion on the sample (models/README.md)
+    assert counter.count_chat(ChatRequest(messages=SAMPLE)) == 32
+    text = "The quick brown fox jumps over the lazy dog. 数学 ∑ x² 🌅 naïve café, 3.14159!"
+    assert counter.count_prompt(text) == 33  # 32 tokens + BOS
+    assert counter.count_prompt([5, 6, 7]) == 3
+    plain = counter.count_chat(ChatRequest(messages=[{"role": "user", "content": "Weather?"}]))
+    with_tool = counter.count_chat(ChatRequest(
+        messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER_TOOL]))
+    assert with_tool > plain + 30
+    with pytest.raises(TemplateError, match="must start with a user message"):
+        counter.count_chat(ChatRequest(messages=[{"role": "assistant", "content": "x"}]))
+

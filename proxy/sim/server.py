@@ -22,7 +22,7 @@ from aiohttp import web
 
 from proxy.errors import InvalidRequest, KvgateError
 from proxy.sim.engine import EngineConfig, FinishReason, Sequence, SimEngine
-from proxy.tokenize import TemplateError, TokenCounter, load_counter
+from proxy.tokenize import PromptCounter, TemplateError, load_counter
 from proxy.validation import Endpoint, ValidRequest, validate
 
 __all__ = ["SimSettings", "build_app", "run_sim"]
@@ -41,7 +41,7 @@ class SimSettings:
 
 ENGINE_KEY = web.AppKey("engine", SimEngine)
 SETTINGS_KEY = web.AppKey("settings", SimSettings)
-COUNTER_KEY = web.AppKey("counter", TokenCounter)
+COUNTER_KEY = web.AppKey("counter", PromptCounter)
 
 
 def _error(exc: KvgateError) -> web.Response:
