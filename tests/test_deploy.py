@@ -21,6 +21,7 @@ import yaml
 
 from proxy.cli import check_config_report, main
 from proxy.config import parse_config
+from tests.support.servers import wait_status
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,17 +158,10 @@ def test_local_stack_through_load_balancer_holds_ceiling_across_replicas(tmp_pat
 
     async def scenario() -> None:
         async with aiohttp.ClientSession() as s:
-            async with asyncio.timeout(60):
-                while True:
-                    try:
-                        async with s.get(f"{lb}/readyz") as resp:
-                            if resp.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    if proc.poll() is not None:
-                        raise AssertionError(proc.stdout.read() if proc.stdout else b"")
-                    await asyncio.sleep(0.2)
+            try:
+                await wait_status(s, f"{lb}/readyz", 200, timeout_s=60, interval_s=0.2)
+            except TimeoutError:
+                raise AssertionError(proc.stdout.read() if proc.stdout else b"") from None
             peaks = [0, 0]
 
             async def sample() -> None:

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from proxy.sim.server import bound_port
-from tests.support.servers import fake_backend
+from tests.support.servers import fake_backend, wait_status
 from tests.support.stack import MODEL, Stack, running_stack
 
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -277,12 +277,7 @@ def test_upstream_down_before_first_byte_is_502_and_releases() -> None:
             assert (status, data["error"]["code"]) in {(502, "upstream_error"),
                                                        (503, "no_backend")}
             assert stack.resident() == {"sim-0": 0}
-            async with asyncio.timeout(3):
-                while True:
-                    async with s.get(f"{stack.url}/readyz") as resp:
-                        if resp.status == 503:
-                            break
-                    await asyncio.sleep(0.05)
+            await wait_status(s, f"{stack.url}/readyz", 503, timeout_s=3)
             async with s.post(f"{stack.url}/v1/chat/completions",
                               json={"model": MODEL, "messages": MSGS, "max_tokens": 5}) as resp:
                 assert resp.status == 503

@@ -15,6 +15,7 @@ import redis
 
 from tests.support.procs import Proc, start_proxy, start_sim
 from tests.support.redis_server import RedisServer
+from tests.support.servers import wait_status
 
 KV_TOKENS = 2048
 BACKENDS = ("gpu-0", "gpu-1")
@@ -55,16 +56,8 @@ def body(i: int, max_tokens: int, stream: bool = False) -> dict[str, Any]:
 
 
 async def wait_ready(s: aiohttp.ClientSession, proxies: list[Proc]) -> None:
-    async with asyncio.timeout(15):
-        for p in proxies:
-            while True:
-                try:
-                    async with s.get(f"{p.url}/readyz") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
+    for p in proxies:
+        await wait_status(s, f"{p.url}/readyz", 200, timeout_s=15, interval_s=0.1)
 
 
 def test_three_replicas_overload_never_exceed_capacity(
@@ -180,12 +173,7 @@ def test_redis_restart_gives_503_then_exact_accounting(
                         data = await resp.json()
                         assert data["error"]["code"] == "ledger_unavailable"
                         assert "Retry-After" in resp.headers
-                async with asyncio.timeout(5):
-                    while True:
-                        async with s.get(f"{proxies[1].url}/readyz") as resp:
-                            if resp.status == 503:
-                                break
-                        await asyncio.sleep(0.1)
+                await wait_status(s, f"{proxies[1].url}/readyz", 503, timeout_s=5)
                 redis_server.start()  # empty: the live lease must come back by renewal
                 async with asyncio.timeout(10):
                     while sum(int(v or 0) for v in

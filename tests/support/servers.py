@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -41,3 +42,19 @@ async def fake_backend(chat_handler: Any) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{bound_port(runner)}"
     finally:
         await runner.cleanup()
+
+
+async def wait_status(session: Any, url: str, status: int, *, timeout_s: float,
+                      interval_s: float = 0.05) -> None:
+    """Poll `url` until it answers `status` (connection errors count as not yet)."""
+    import aiohttp
+
+    async with asyncio.timeout(timeout_s):
+        while True:
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == status:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(interval_s)
