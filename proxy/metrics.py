@@ -61,6 +61,9 @@ class Metrics:
         self._headroom_min = Gauge("kvgate_headroom_tokens_min",
                                    "Least free capacity seen since start", ["backend"],
                                    registry=r)
+        self._ledger_up = Gauge("kvgate_ledger_available",
+                                "1 while the ledger can be reached, 0 while admission is refused",
+                                registry=r)
         self._peaks: dict[str, int] = {}
         self._headroom: dict[str, int] = {}
 
@@ -86,6 +89,9 @@ class Metrics:
         if headroom < self._headroom.get(backend, capacity):
             self._headroom[backend] = headroom
             self._headroom_min.labels(backend).set(headroom)
+
+    def ledger_available(self, available: bool) -> None:
+        self._ledger_up.set(1 if available else 0)
 
     def queue_depth(self, model: str, depth: int) -> None:
         self._queue_depth.labels(model).set(depth)

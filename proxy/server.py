@@ -381,6 +381,7 @@ async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     for m in state.models.values():
         state.metrics.queue_depth(m.config.name, m.controller.queue_depth)
+    state.metrics.ledger_available(state.ledger.available)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

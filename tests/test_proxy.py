@@ -396,7 +396,7 @@ def test_metrics_admin_state_models_and_health_endpoints() -> None:
                          "kvgate_tokenize_seconds_bucket",
                          "kvgate_upstream_first_byte_seconds_bucket",
                          "kvgate_inflight_requests", "kvgate_inflight_requests_peak",
-                         "kvgate_headroom_tokens_min"):
+                         "kvgate_headroom_tokens_min", "kvgate_ledger_available 1.0"):
                 assert name in text, name
             assert 'kvgate_requests_total{model="qwen3-14b",outcome="completed"} 1.0' in text
             async with s.get(f"{stack.url}/admin/state") as r:

@@ -174,6 +174,8 @@ def test_redis_restart_gives_503_then_exact_accounting(
                         assert data["error"]["code"] == "ledger_unavailable"
                         assert "Retry-After" in resp.headers
                 await wait_status(s, f"{proxies[1].url}/readyz", 503, timeout_s=5)
+                async with s.get(f"{proxies[1].url}/metrics") as resp:
+                    assert "kvgate_ledger_available 0.0" in await resp.text()
                 redis_server.start()  # empty: the live lease must come back by renewal
                 async with asyncio.timeout(10):
                     while sum(int(v or 0) for v in
