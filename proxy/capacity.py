@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import StrEnum
 from fractions import Fraction
 
 __all__ = [
     "GB",
     "AttentionLayout",
-    "CacheDtype",
     "CapacityPlan",
     "Deployment",
     "FullAttentionLayer",
@@ -55,24 +53,7 @@ def _require_positive(name: str, value: int) -> None:
         raise ValueError(f"`{name}` must be an integer >= 1. Given: {value!r}")
 
 
-class CacheDtype(StrEnum):
-    """KV-cache element types, with the names vLLM's `--kv-cache-dtype` accepts."""
-
-    AUTO = "auto"
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    FP8 = "fp8"
-    FP8_E4M3 = "fp8_e4m3"
-    FP8_E5M2 = "fp8_e5m2"
-    INT8 = "int8"
-
-    @property
-    def bytes_per_element(self) -> int | None:
-        """None for `auto`, which means "the model's own dtype"."""
-        return _DTYPE_BYTES.get(self.value)
-
-
+# KV-cache element types by the names vLLM's `--kv-cache-dtype` and HF configs use.
 _DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
     "float": 4,

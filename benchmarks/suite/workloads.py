@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -72,15 +73,21 @@ def replay(rows: list[TraceRow], *, rate_per_s: float, duration_s: float,
     return out
 
 
+def _poisson(rng: random.Random, rate_per_s: float, duration_s: float) -> Iterator[float]:
+    """Arrival times, drawn lazily so the caller's draws interleave (seeded runs stay as
+    they were)."""
+    t = rng.expovariate(rate_per_s)
+    while t < duration_s:
+        yield t
+        t += rng.expovariate(rate_per_s)
+
+
 def synthetic_mix(*, rate_per_s: float, duration_s: float, seed: int,
                   max_prompt: int, max_output: int) -> list[RequestSpec]:
     """Poisson arrivals; lognormal prompts (median 800, long tail), 2% very long requests."""
     rng = random.Random(seed)
-    t, out = 0.0, []
-    while True:
-        t += rng.expovariate(rate_per_s)
-        if t >= duration_s:
-            return out
+    out = []
+    for t in _poisson(rng, rate_per_s, duration_s):
         if rng.random() < 0.02:
             prompt, output = max_prompt, max_output
         else:
@@ -88,6 +95,7 @@ def synthetic_mix(*, rate_per_s: float, duration_s: float, seed: int,
             output = int(min(max_output, rng.lognormvariate(math.log(150), 0.7)))
         out.append(RequestSpec(arrival_s=t, prompt_tokens=max(16, prompt),
                                max_tokens=max(1, output)))
+    return out
 
 
 def burst(base: list[RequestSpec], extra: list[RequestSpec]) -> list[RequestSpec]:
@@ -97,11 +105,8 @@ def burst(base: list[RequestSpec], extra: list[RequestSpec]) -> list[RequestSpec
 def hol_mix(*, rate_per_s: float, duration_s: float, seed: int) -> list[RequestSpec]:
     """Short chats with a few very long requests: the head-of-line blocking case."""
     rng = random.Random(seed)
-    t, out = 0.0, []
-    while True:
-        t += rng.expovariate(rate_per_s)
-        if t >= duration_s:
-            return out
+    out = []
+    for t in _poisson(rng, rate_per_s, duration_s):
         if rng.random() < 0.15:
             out.append(RequestSpec(arrival_s=t, prompt_tokens=5000, max_tokens=1200,
                                    kind="long", priority="low"))
@@ -109,6 +114,7 @@ def hol_mix(*, rate_per_s: float, duration_s: float, seed: int) -> list[RequestS
             out.append(RequestSpec(arrival_s=t, prompt_tokens=rng.randint(100, 400),
                                    max_tokens=rng.randint(30, 80), kind="short",
                                    priority="high"))
+    return out
 
 
 class PromptBuilder:
