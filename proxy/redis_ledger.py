@@ -39,6 +39,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from proxy.errors import LedgerUnavailable
@@ -65,11 +68,13 @@ end
 
 # ARGV[1] lease id, ARGV[2] tokens, ARGV[3] capacity, ARGV[4] ttl ms,
 # ARGV[5] channel, ARGV[6] backend
-# returns {1 reserved | 0 no room | -1 lease id taken, resident after}
+# returns {1 reserved | 0 no room | -1 lease id already recorded, resident after,
+#          tokens recorded under that lease id (for -1)}
 RESERVE_LUA = _RECLAIM + """
 if #expired > 0 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end
 local resident = tonumber(redis.call('GET', KEYS[1]) or '0')
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return {-1, resident} end
+local recorded = redis.call('HGET', KEYS[2], ARGV[1])
+if recorded then return {-1, resident, tonumber(recorded)} end
 local tokens = tonumber(ARGV[2])
 if resident + tokens > tonumber(ARGV[3]) then return {0, resident} end
 redis.call('INCRBY', KEYS[1], tokens)
@@ -149,9 +154,18 @@ class RedisLedger:
     async def start(self) -> None:
         # A blocking pool: a burst of admissions waits for a connection instead of
         # failing, and a bounded pool keeps Redis' connection count predictable.
+        #
+        # One immediate retry on a connection error: a pooled connection that Redis
+        # closed (restart, failover, idle timeout) fails its first command before
+        # the client notices, and that is not an outage. A fresh connection either
+        # answers or fails at once (connection refused), so a real outage still
+        # gives a prompt 503. Every script here is safe to run twice: RELEASE and
+        # RENEW are idempotent, RESERVE recognises its own lease id.
         pool = aioredis.BlockingConnectionPool.from_url(
             self._url,
             max_connections=64,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
             timeout=self._socket_timeout_s,
             socket_timeout=self._socket_timeout_s,
             socket_connect_timeout=self._socket_timeout_s,
@@ -209,7 +223,7 @@ class RedisLedger:
             self._ops.put_nowait(("release", backend, lease_id))
             raise
         except _CONNECTION_ERRORS as exc:
-            self._set_available(False)
+            self._set_available(False, exc)
             raise LedgerUnavailable(
                 f"the shared ledger cannot be reached ({type(exc).__name__}); "
                 "kvgate does not admit without it",
@@ -219,7 +233,15 @@ class RedisLedger:
         status, resident = int(result[0]), int(result[1])
         self._resident[backend] = resident
         if status == -1:
-            raise ValueError(f"lease {lease_id!r} is already recorded")
+            # Lease ids are fresh uuids, so the same id with the same tokens is this
+            # very reservation, retried after its first reply was lost.
+            recorded = int(result[2])
+            if recorded != tokens:
+                raise ValueError(
+                    f"lease {lease_id!r} is already recorded with {recorded} tokens, "
+                    f"not {tokens}"
+                )
+            status = 1
         if status == 1:
             self._live[lease_id] = (backend, tokens)
         return status == 1
@@ -245,11 +267,14 @@ class RedisLedger:
         return int(value or 0)
 
     # ------------------------------------------------------------------ background
-    def _set_available(self, available: bool) -> None:
+    def _set_available(self, available: bool, error: BaseException | None = None) -> None:
         if available == self._available:
             return
         self._available = available
-        log.warning("shared ledger is %s", "reachable" if available else "UNREACHABLE")
+        if available:
+            log.warning("shared ledger is reachable")
+        else:
+            log.warning("shared ledger is UNREACHABLE: %s: %s", type(error).__name__, error)
         if available:
             self._notify_all()
 
@@ -275,8 +300,8 @@ class RedisLedger:
                         await self._run_batch(batch)
                         self._set_available(True)
                         break
-                    except _CONNECTION_ERRORS:
-                        self._set_available(False)
+                    except _CONNECTION_ERRORS as exc:
+                        self._set_available(False, exc)
                         await asyncio.sleep(delay)
                         delay = min(1.0, delay * 2)
             finally:

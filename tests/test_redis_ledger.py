@@ -215,3 +215,51 @@ def test_redis_outage_refuses_admission_and_restores_exact_accounting(
 
     asyncio.run(scenario())
 
+
+
+def test_redis_restart_between_requests_does_not_refuse_the_next_one(
+    redis_server: RedisServer,
+) -> None:
+    """A pooled connection that Redis closed while restarting is not an outage.
+
+    The restart blocks the event loop, so the client has not yet seen the old
+    socket close when the next reserve borrows it: that is the race replicas
+    hit in production after a Redis failover.
+    """
+
+    async def scenario() -> None:
+        led = ledger(redis_server)
+        await led.start()
+        try:
+            assert await led.reserve("gpu-a", lid(), 10, 100)
+            redis_server.restart()
+            assert await led.reserve("gpu-a", lid(), 10, 100)
+            assert led.available
+        finally:
+            await led.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_reserve_retried_after_a_lost_reply_counts_once(
+    redis_server: RedisServer,
+) -> None:
+    """A retry of the same lease (its first reply lost) must not book it twice."""
+
+    async def scenario() -> None:
+        led = ledger(redis_server)
+        await led.start()
+        try:
+            lease = lid()
+            assert await led.reserve("gpu-a", lease, 30, 100)
+            assert await led.reserve("gpu-a", lease, 30, 100)
+            assert await led.resident_now("gpu-a") == 30
+            with pytest.raises(ValueError, match="already recorded with 30 tokens"):
+                await led.reserve("gpu-a", lease, 31, 100)
+            led.release(lease)
+            await led._ops.join()
+            assert await led.resident_now("gpu-a") == 0
+        finally:
+            await led.close()
+
+    asyncio.run(scenario())

@@ -183,7 +183,7 @@ def test_redis_restart_gives_503_then_exact_accounting(
                         await asyncio.sleep(0.05)
                 async with s.post(f"{proxies[1].url}/v1/chat/completions",
                                   json=body(3, 10)) as resp:
-                    assert resp.status == 200
+                    assert resp.status == 200, await resp.text()
                 text = await live.read()
                 assert b"[DONE]" in text
                 async with asyncio.timeout(10):
