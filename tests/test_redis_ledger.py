@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -22,6 +24,16 @@ def ledger(server: RedisServer, **kw: float) -> RedisLedger:
                        refresh_interval_s=kw.get("refresh", 0.5))
 
 
+@contextlib.asynccontextmanager
+async def started(server: RedisServer, **kw: float) -> AsyncIterator[RedisLedger]:
+    led = ledger(server, **kw)
+    await led.start()
+    try:
+        yield led
+    finally:
+        await led.close()
+
+
 def lid() -> str:
     return uuid.uuid4().hex
 
@@ -30,9 +42,7 @@ def test_redis_reserve_over_capacity_returns_false_release_twice_is_noop(
     redis_server: RedisServer,
 ) -> None:
     async def scenario() -> None:
-        led = ledger(redis_server)
-        await led.start()
-        try:
+        async with started(redis_server) as led:
             a, b = lid(), lid()
             assert await led.reserve("gpu-a", a, 60, 100) is True
             assert await led.reserve("gpu-a", lid(), 41, 100) is False
@@ -47,8 +57,6 @@ def test_redis_reserve_over_capacity_returns_false_release_twice_is_noop(
             await asyncio.sleep(0.4)  # writes resume: the reserve runs, then its undo
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
-        finally:
-            await led.close()
 
     asyncio.run(scenario())
 
@@ -126,9 +134,7 @@ def test_redis_crashed_replica_leases_reclaimed_within_ttl(redis_server: RedisSe
 
 def test_redis_live_leases_survive_many_ttls_by_renewal(redis_server: RedisServer) -> None:
     async def scenario() -> None:
-        led = ledger(redis_server, ttl=0.6, refresh=0.1)
-        await led.start()
-        try:
+        async with started(redis_server, ttl=0.6, refresh=0.1) as led:
             lease = lid()
             assert await led.reserve("gpu-a", lease, 70, 100)
             await asyncio.sleep(2.0)  # more than three TTLs
@@ -137,8 +143,6 @@ def test_redis_live_leases_survive_many_ttls_by_renewal(redis_server: RedisServe
             led.release(lease)
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
-        finally:
-            await led.close()
 
     asyncio.run(scenario())
 
@@ -185,9 +189,7 @@ def test_redis_outage_refuses_admission_and_restores_exact_accounting(
     redis_server: RedisServer,
 ) -> None:
     async def scenario() -> None:
-        led = ledger(redis_server, ttl=3.0, refresh=0.1)
-        await led.start()
-        try:
+        async with started(redis_server, ttl=3.0, refresh=0.1) as led:
             kept, dropped = lid(), lid()
             assert await led.reserve("gpu-a", kept, 30, 100)
             assert await led.reserve("gpu-a", dropped, 20, 100)
@@ -210,8 +212,6 @@ def test_redis_outage_refuses_admission_and_restores_exact_accounting(
             await asyncio.sleep(0.4)  # writes resume: the reserve runs, then its undo
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
-        finally:
-            await led.close()
 
     asyncio.run(scenario())
 
@@ -228,15 +228,11 @@ def test_redis_restart_between_requests_does_not_refuse_the_next_one(
     """
 
     async def scenario() -> None:
-        led = ledger(redis_server)
-        await led.start()
-        try:
+        async with started(redis_server) as led:
             assert await led.reserve("gpu-a", lid(), 10, 100)
             redis_server.restart()
             assert await led.reserve("gpu-a", lid(), 10, 100)
             assert led.available
-        finally:
-            await led.close()
 
     asyncio.run(scenario())
 
@@ -247,9 +243,7 @@ def test_redis_reserve_retried_after_a_lost_reply_counts_once(
     """A retry of the same lease (its first reply lost) must not book it twice."""
 
     async def scenario() -> None:
-        led = ledger(redis_server)
-        await led.start()
-        try:
+        async with started(redis_server) as led:
             lease = lid()
             assert await led.reserve("gpu-a", lease, 30, 100)
             assert await led.reserve("gpu-a", lease, 30, 100)
@@ -259,7 +253,5 @@ def test_redis_reserve_retried_after_a_lost_reply_counts_once(
             led.release(lease)
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
-        finally:
-            await led.close()
 
     asyncio.run(scenario())
