@@ -271,12 +271,11 @@ class RedisLedger:
         if available == self._available:
             return
         self._available = available
-        if available:
-            log.warning("shared ledger is reachable")
-        else:
+        if not available:
             log.warning("shared ledger is UNREACHABLE: %s: %s", type(error).__name__, error)
-        if available:
-            self._notify_all()
+            return
+        log.warning("shared ledger is reachable")
+        self._notify_all()
 
     def _notify_all(self) -> None:
         for backend in self._backends:

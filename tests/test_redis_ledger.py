@@ -54,7 +54,6 @@ def test_redis_reserve_over_capacity_returns_false_release_twice_is_noop(
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 40
             led.release(b)
-            await asyncio.sleep(0.4)  # writes resume: the reserve runs, then its undo
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
 
@@ -209,12 +208,10 @@ def test_redis_outage_refuses_admission_and_restores_exact_accounting(
             assert await led.resident_now("gpu-a") == 30
             assert led.readded_total >= 1
             led.release(kept)
-            await asyncio.sleep(0.4)  # writes resume: the reserve runs, then its undo
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
 
     asyncio.run(scenario())
-
 
 
 def test_redis_restart_between_requests_does_not_refuse_the_next_one(
