@@ -55,6 +55,13 @@ class Backend:
         self.capacity_tokens = capacity_tokens
         self.healthy = True
         self.inflight = 0
+        # The share of capacity new admissions may fill (adaptive reservation moves
+        # it from the engine's own figures); growth of live leases may use it all.
+        self.target_factor = 1.0
+
+    @property
+    def target_tokens(self) -> int:
+        return int(self.capacity_tokens * self.target_factor)
 
 
 class Lease:
@@ -71,13 +78,16 @@ class Lease:
         self.lease_id = lease_id
         self.backend = backend
         self.demand = demand
+        self.tokens = demand.tokens  # what the ledger holds now; adaptive leases resize
+        self.wanted_tokens = demand.tokens  # what the lease asked for at its last resize
         self._on_release = on_release
         self._released = False
         backend.inflight += 1
 
     @property
-    def tokens(self) -> int:
-        return self.demand.tokens
+    def shortfall_tokens(self) -> int:
+        """Tokens a live lease wanted to grow by but found no room for."""
+        return max(0, self.wanted_tokens - self.tokens)
 
     @property
     def released(self) -> bool:
@@ -195,7 +205,7 @@ class AdmissionController:
         return [
             BackendRoom(
                 name=b.name,
-                capacity_tokens=b.capacity_tokens,
+                capacity_tokens=b.target_tokens,
                 resident_tokens=self._ledger.resident(b.name),
             )
             for b in self.backends
@@ -275,13 +285,36 @@ class AdmissionController:
         for name in rank_backends(self.rooms(), demand.tokens, self._placement):
             backend = self._by_name[name]
             lease_id = uuid.uuid4().hex
-            if await self._ledger.reserve(name, lease_id, demand.tokens, backend.capacity_tokens):
+            if await self._ledger.reserve(name, lease_id, demand.tokens, backend.target_tokens):
                 lease = Lease(
                     lease_id=lease_id, backend=backend, demand=demand, on_release=self._released
                 )
                 self._on_event("admit", lease)
                 return lease
         return None
+
+    async def resize(self, lease: Lease, tokens: int) -> int:
+        """Grow or shrink a live lease; growth takes only free room under the capacity.
+
+        The request is running in the engine either way: a lease that cannot grow
+        keeps what it has, records the shortfall, and the full ledger holds back
+        new admissions until releases make room.
+        """
+        if lease.released or tokens == lease.tokens:
+            lease.wanted_tokens = tokens
+            return lease.tokens
+        lease.wanted_tokens = tokens
+        granted = await self._ledger.resize(
+            lease.lease_id, tokens, lease.backend.capacity_tokens
+        )
+        if lease.released or granted <= 0:
+            return lease.tokens
+        shrunk = granted < lease.tokens
+        lease.tokens = granted
+        self._on_event("resize", lease)
+        if shrunk:
+            self.kick()
+        return granted
 
     def _released(self, lease: Lease) -> None:
         self._ledger.release(lease.lease_id)

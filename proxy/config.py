@@ -17,11 +17,13 @@ from typing import Any
 from policies.ordering import ORDERINGS, PRIORITY_CLASSES
 from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
+from policies.reservation import ReservationMode
 from proxy.capacity import Deployment, MemoryBudget
 from proxy.modelconfig import layout_from_hf_config, max_model_len_from_hf_config
 from proxy.units import parse_bytes, parse_count
 
 __all__ = [
+    "AdaptiveConfig",
     "BackendConfig",
     "ConfigError",
     "KvgateConfig",
@@ -80,6 +82,17 @@ class BackendConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AdaptiveConfig:
+    """`[models.adaptive]`: how adaptive reservation learns and follows requests."""
+
+    quantile: float = 0.5
+    min_samples: int = 20
+    history: int = 2000
+    resize_interval_s: float = 0.1
+    engine_poll_interval_s: float = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     name: str
     path: Path
@@ -92,6 +105,8 @@ class ModelConfig:
     capacity_source: str  # "measured kv_tokens" or "estimate from ..."
     backends: tuple[BackendConfig, ...]
     capacity_from_backend: bool = False
+    reservation: ReservationMode = ReservationMode.ADAPTIVE
+    adaptive: AdaptiveConfig = field(default_factory=lambda: AdaptiveConfig())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -325,7 +340,7 @@ def _deployment(
 def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
     w = f"models[{i}]."
     _check_keys(data, {"name", "path", "max_model_len", "output_policy", "output_cap_tokens",
-                       "placement", "deployment", "backends"}, w)
+                       "placement", "deployment", "backends", "reservation", "adaptive"}, w)
     name = _str(data, "name", w)
     path = base / _str(data, "path", w)
     if not path.is_dir():
@@ -349,6 +364,15 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             f"`{w}placement` must be one of {sorted(p.value for p in PlacementName)}. "
             f"Given: {placement_name!r}"
         ) from exc
+    reservation_name = _str(data, "reservation", w, ReservationMode.ADAPTIVE.value)
+    try:
+        reservation = ReservationMode(reservation_name)
+    except ValueError as exc:
+        raise ConfigError(
+            f"`{w}reservation` must be one of {sorted(m.value for m in ReservationMode)}. "
+            f"Given: {reservation_name!r}"
+        ) from exc
+    adaptive = _adaptive(_table(data, "adaptive", w), f"{w}adaptive.")
     deployment_table = _table(data, "deployment", w)
     deployment, block_size, capacity, source, config_len = _deployment(
         deployment_table, f"{w}deployment.", path, base
@@ -382,6 +406,24 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         deployment=deployment, block_size=block_size, capacity_tokens=capacity,
         capacity_source=source, backends=tuple(backends),
         capacity_from_backend=bool(deployment_table.get("capacity_from_backend", False)),
+        reservation=reservation, adaptive=adaptive,
+    )
+
+
+def _adaptive(data: Mapping[str, Any], w: str) -> AdaptiveConfig:
+    _check_keys(data, {"quantile", "min_samples", "history", "resize_interval_s",
+                       "engine_poll_interval_s"}, w)
+    quantile = _num(data, "quantile", w, 0.5, minimum=0.01)
+    if quantile > 1.0:
+        raise ConfigError(f"`{w}quantile` must be <= 1. Given: {quantile}")
+    min_samples = _int(data, "min_samples", w, 20, minimum=1)
+    history = _int(data, "history", w, 2000, minimum=1)
+    if history < min_samples:
+        raise ConfigError(f"`{w}history` {history} must be >= `{w}min_samples` {min_samples}")
+    return AdaptiveConfig(
+        quantile=quantile, min_samples=min_samples, history=history,
+        resize_interval_s=_num(data, "resize_interval_s", w, 0.1, minimum=0.01),
+        engine_poll_interval_s=_num(data, "engine_poll_interval_s", w, 0.5, minimum=0.05),
     )
 
 

@@ -8,8 +8,11 @@ tokens, the figure vLLM logs as "GPU KV cache size" at start.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-__all__ = ["kv_capacity_tokens"]
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["EngineLoad", "engine_load", "kv_capacity_tokens"]
 
 _INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -33,3 +36,40 @@ def kv_capacity_tokens(metrics_text: str) -> int | None:
     if blocks <= 0 or block_size <= 0:
         return None
     return blocks * block_size
+
+
+_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_PREEMPTION_NAMES = ("vllm:num_preemptions_total", "vllm:num_preemptions")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineLoad:
+    """What the engine says about its own KV cache; None where it does not say."""
+
+    usage_ratio: float | None
+    preemptions_total: int | None
+
+
+def engine_load(metrics_text: str) -> EngineLoad:
+    """KV use (0..1) and preemptions since start, summed over the engine's label sets.
+
+    vLLM v1 names the usage `vllm:kv_cache_usage_perc` (a fraction, despite the
+    name); v0 named it `vllm:gpu_cache_usage_perc`. Both are read.
+    """
+    usage: dict[str, float] = {}
+    preemptions: float | None = None
+    try:
+        families = list(text_string_to_metric_families(metrics_text))
+    except ValueError:
+        return EngineLoad(usage_ratio=None, preemptions_total=None)
+    for family in families:
+        for sample in family.samples:
+            if sample.name in _USAGE_NAMES:
+                usage[sample.name] = usage.get(sample.name, 0.0) + sample.value
+            elif sample.name in _PREEMPTION_NAMES:
+                preemptions = (preemptions or 0.0) + sample.value
+    ratio = next((usage[n] for n in _USAGE_NAMES if n in usage), None)
+    return EngineLoad(
+        usage_ratio=ratio,
+        preemptions_total=None if preemptions is None else int(preemptions),
+    )

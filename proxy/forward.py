@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -82,6 +82,7 @@ async def forward(
     body: bytes,
     extra_headers: Mapping[str, str],
     result: ForwardResult,
+    on_chunk: Callable[[bytes], None] | None = None,
 ) -> web.StreamResponse:
     """Send `body` to `url` and stream the answer; raises UpstreamError before the first byte."""
     started = time.perf_counter()
@@ -101,6 +102,8 @@ async def forward(
             async for chunk in upstream.content.iter_any():
                 if result.first_byte_s is None:
                     result.first_byte_s = time.perf_counter() - started
+                if on_chunk is not None:
+                    on_chunk(chunk)
                 await response.write(chunk)
         except (aiohttp.ClientError, TimeoutError) as exc:
             result.failed_mid_stream = True

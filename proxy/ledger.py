@@ -30,6 +30,16 @@ class Ledger(Protocol):
         """Add `tokens` to `backend` if resident + tokens <= capacity; record the lease."""
         ...
 
+    async def resize(self, lease_id: str, tokens: int, capacity: int) -> int:
+        """Set a live lease to `tokens`, atomically; -> the tokens it holds now.
+
+        Shrinking always succeeds. Growing takes only room that is free under
+        `capacity`: a lease never takes capacity another lease (of any replica)
+        already holds, so it may end up between its old and its wanted size.
+        An unknown lease (released, or reclaimed) answers 0.
+        """
+        ...
+
     def release(self, lease_id: str) -> None:
         """Remove the lease and subtract its tokens; a second call is a no-op."""
         ...
@@ -75,6 +85,22 @@ class MemoryLedger:
         self._resident[backend] = resident + tokens
         self._leases[lease_id] = (backend, tokens)
         return True
+
+    async def resize(self, lease_id: str, tokens: int, capacity: int) -> int:
+        return self.resize_now(lease_id, tokens, capacity)
+
+    def resize_now(self, lease_id: str, tokens: int, capacity: int) -> int:
+        if tokens < 0:
+            raise ValueError(f"`tokens` must be >= 0. Given: {tokens}")
+        entry = self._leases.get(lease_id)
+        if entry is None:
+            return 0
+        backend, held = entry
+        resident = self._resident[backend]
+        granted = tokens if tokens <= held else min(tokens, held + max(0, capacity - resident))
+        self._resident[backend] = resident - held + granted
+        self._leases[lease_id] = (backend, granted)
+        return granted
 
     def release(self, lease_id: str) -> None:
         entry = self._leases.pop(lease_id, None)

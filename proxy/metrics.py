@@ -64,6 +64,23 @@ class Metrics:
         self._ledger_up = Gauge("kvgate_ledger_available",
                                 "1 while the ledger can be reached, 0 while admission is refused",
                                 registry=r)
+        # Adaptive reservation, per backend: what the engine says next to what kvgate holds.
+        self._engine_usage = Gauge("kvgate_engine_kv_usage_ratio",
+                                   "KV cache use the engine reports (vllm:kv_cache_usage_perc)",
+                                   ["backend"], registry=r)
+        self._engine_preemptions = Gauge("kvgate_engine_preemptions_reported",
+                                         "Preemptions the engine reports since it started "
+                                         "(vllm:num_preemptions_total)", ["backend"], registry=r)
+        self._engine_estimate = Gauge("kvgate_engine_estimate_tokens",
+                                      "Tokens this replica's requests hold in the engine now "
+                                      "(prompt + output so far, estimated)", ["backend"],
+                                      registry=r)
+        self._target = Gauge("kvgate_admission_target_tokens",
+                             "Reserved tokens up to which new requests are admitted",
+                             ["backend"], registry=r)
+        self._shortfall = Gauge("kvgate_lease_shortfall_tokens",
+                                "Tokens live leases wanted to grow by but found no room for",
+                                ["backend"], registry=r)
         self._peaks: dict[str, int] = {}
         self._headroom: dict[str, int] = {}
 
@@ -89,6 +106,25 @@ class Metrics:
         if headroom < self._headroom.get(backend, capacity):
             self._headroom[backend] = headroom
             self._headroom_min.labels(backend).set(headroom)
+
+    def backend_view(
+        self, backend: str, *, resident: int, inflight: int, target: int,
+        engine_estimate: int, shortfall: int,
+    ) -> None:
+        """Gauges of shared and live state, set from the current view at scrape time."""
+        self._resident.labels(backend).set(resident)
+        self._inflight.labels(backend).set(inflight)
+        self._target.labels(backend).set(target)
+        self._engine_estimate.labels(backend).set(engine_estimate)
+        self._shortfall.labels(backend).set(shortfall)
+
+    def engine_reported(
+        self, backend: str, *, usage_ratio: float | None, preemptions: int | None
+    ) -> None:
+        if usage_ratio is not None:
+            self._engine_usage.labels(backend).set(usage_ratio)
+        if preemptions is not None:
+            self._engine_preemptions.labels(backend).set(preemptions)
 
     def ledger_available(self, available: bool) -> None:
         self._ledger_up.set(1 if available else 0)

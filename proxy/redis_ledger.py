@@ -97,6 +97,27 @@ redis.call('PUBLISH', ARGV[2], ARGV[3])
 return {1, resident}
 """
 
+# ARGV[1] lease id, ARGV[2] wanted tokens, ARGV[3] capacity, ARGV[4] channel, ARGV[5] backend
+# returns {tokens the lease holds now (-1: unknown lease), resident after}
+# Shrinking always succeeds (and wakes waiters); growing takes only free room.
+RESIZE_LUA = """
+local resident = tonumber(redis.call('GET', KEYS[1]) or '0')
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+if not held then return {-1, resident} end
+held = tonumber(held)
+local wanted = tonumber(ARGV[2])
+local granted = wanted
+if wanted > held then
+  granted = math.min(wanted, held + math.max(0, tonumber(ARGV[3]) - resident))
+end
+if granted ~= held then
+  resident = redis.call('INCRBY', KEYS[1], granted - held)
+  redis.call('HSET', KEYS[2], ARGV[1], granted)
+  if granted < held then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
+end
+return {granted, resident}
+"""
+
 # ARGV[1] ttl ms, ARGV[2] channel, ARGV[3] backend, then pairs: lease id, tokens
 # returns {resident after, leases reclaimed, live leases re-added}
 RENEW_LUA = _RECLAIM + """
@@ -174,6 +195,7 @@ class RedisLedger:
         self._reserve = self._client.register_script(RESERVE_LUA)
         self._release = self._client.register_script(RELEASE_LUA)
         self._renew = self._client.register_script(RENEW_LUA)
+        self._resize = self._client.register_script(RESIZE_LUA)
         with contextlib.suppress(*_CONNECTION_ERRORS):
             await self._client.ping()
             self._available = True
@@ -245,6 +267,32 @@ class RedisLedger:
         if status == 1:
             self._live[lease_id] = (backend, tokens)
         return status == 1
+
+    async def resize(self, lease_id: str, tokens: int, capacity: int) -> int:
+        entry = self._live.get(lease_id)
+        if entry is None:
+            return 0
+        backend, _ = entry
+        try:
+            result = await self._resize(
+                keys=self.keys(backend),
+                args=[lease_id, tokens, capacity, self._channel, backend],
+            )
+        except _CONNECTION_ERRORS as exc:
+            # The lease keeps its recorded size; the request itself goes on.
+            self._set_available(False, exc)
+            return self._live.get(lease_id, entry)[1]
+        self._set_available(True)
+        granted, resident = int(result[0]), int(result[1])
+        self._resident[backend] = resident
+        if lease_id not in self._live:
+            return 0  # released here while the script ran; the release script follows
+        if granted < 0:
+            # Redis lost a live lease (restart, outage past the TTL): the next renewal
+            # re-adds it at the size recorded here.
+            return self._live[lease_id][1]
+        self._live[lease_id] = (backend, granted)
+        return granted
 
     def release(self, lease_id: str) -> None:
         entry = self._live.pop(lease_id, None)

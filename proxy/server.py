@@ -22,10 +22,11 @@ from aiohttp import web
 
 from policies.ordering import make_ordering
 from policies.output import decide_output
+from policies.reservation import AdmissionTarget, OutputHistory, ReservationMode
 from proxy.admission import AdmissionController, Backend, Demand, Lease
 from proxy.capacity import cdiv
 from proxy.config import KvgateConfig, ModelConfig
-from proxy.engine_metrics import kv_capacity_tokens
+from proxy.engine_metrics import engine_load, kv_capacity_tokens
 from proxy.errors import (
     ContextLengthExceeded,
     InvalidRequest,
@@ -38,6 +39,7 @@ from proxy.errors import (
 from proxy.forward import ForwardResult, forward, make_session
 from proxy.ledger import Ledger, MemoryLedger
 from proxy.metrics import CONTENT_TYPE, Metrics, Outcome
+from proxy.reservation import Progress, ReservationTracker
 from proxy.tokenize import PromptCounter, TemplateError, load_counter
 from proxy.validation import Endpoint, ValidRequest, validate
 
@@ -55,6 +57,16 @@ class ModelRuntime:
         self.config = config
         self.counter: PromptCounter = load_counter(config.path, name=config.name)
         self.controller = controller
+        self.tracker: ReservationTracker | None = None
+        self.targets: dict[str, AdmissionTarget] = {}
+        if config.reservation is ReservationMode.ADAPTIVE:
+            a = config.adaptive
+            self.tracker = ReservationTracker(
+                history=OutputHistory(size=a.history, min_samples=a.min_samples,
+                                      quantile=a.quantile),
+                ledger_tokens=self.ledger_tokens, block_size=config.block_size,
+            )
+            self.targets = {b.name: AdmissionTarget() for b in controller.backends}
 
     def ledger_tokens(self, resident_tokens: int) -> int:
         """Block-rounded ledger tokens (token-equivalents for hybrid layouts)."""
@@ -225,12 +237,43 @@ async def _count(model: ModelRuntime, req: ValidRequest) -> list[int]:
         raise InvalidRequest(str(exc), param="messages") from exc
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _OutputPlan:
+    """What the lease follows: the output ceiling, a floor, and whether EOS can end it."""
+
+    max_tokens: int
+    min_tokens: int
+    strict: bool
+
+
+def _eos_fields(req: ValidRequest) -> tuple[int, bool]:
+    """vLLM's `min_tokens` and `ignore_eos`: both bound how early EOS can end a request."""
+    min_tokens = req.body.get("min_tokens", 0)
+    if min_tokens is None:
+        min_tokens = 0
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise InvalidRequest(
+            f"`min_tokens` must be an integer >= 0. Given: {json.dumps(min_tokens)}",
+            param="min_tokens",
+        )
+    ignore_eos = req.body.get("ignore_eos", False)
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise InvalidRequest(
+            f"`ignore_eos` must be true or false. Given: {json.dumps(ignore_eos)}",
+            param="ignore_eos",
+        )
+    return min_tokens, bool(ignore_eos)
+
+
 def _demand(
     model: ModelRuntime, req: ValidRequest, prompts: list[int], trace: _Trace,
     request: web.Request, state: ProxyState,
-) -> tuple[Demand, int | None]:
-    """Output reservation and context check per prompt; -> (demand, max_tokens to set)."""
+) -> tuple[Demand, int | None, _OutputPlan]:
+    """Output reservation and context check per prompt; -> (demand, max_tokens to set, plan)."""
     cfg = model.config
+    min_tokens, ignore_eos = _eos_fields(req)
+    # Several prompts in one call: one lease, several sequences; follow none of them.
+    strict = ignore_eos or len(prompts) > 1 or model.tracker is None
     total = 0
     reserve_out = 0
     set_to: int | None = None
@@ -255,11 +298,19 @@ def _demand(
             )
         set_to = decision.set_max_tokens
         reserve_out = decision.max_tokens
-        total += req.n * model.ledger_tokens(prompt_tokens + decision.max_tokens)
+        if model.tracker is not None:
+            total += model.tracker.lease_tokens(
+                prompt_tokens=prompt_tokens, max_tokens=decision.max_tokens, n=req.n,
+                min_tokens=min(min_tokens, decision.max_tokens), strict=strict,
+            )
+        else:
+            total += req.n * model.ledger_tokens(prompt_tokens + decision.max_tokens)
     priority = _priority(request, state)
     demand = Demand(tokens=total, prompt_tokens=sum(prompts), max_tokens=reserve_out, n=req.n,
                     priority=priority, tenant=_tenant(request, state))
-    return demand, set_to
+    plan = _OutputPlan(max_tokens=reserve_out, min_tokens=min(min_tokens, reserve_out),
+                       strict=strict)
+    return demand, set_to, plan
 
 
 async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -298,7 +349,7 @@ async def _serve(
     trace.prompt_tokens = sum(prompts)
     state.metrics.counted(model.config.name, prompt_tokens=trace.prompt_tokens,
                           seconds=time.perf_counter() - t0)
-    demand, set_to = _demand(model, req, prompts, trace, request, state)
+    demand, set_to, plan = _demand(model, req, prompts, trace, request, state)
     trace.reserved_tokens = demand.tokens
     trace.output_cap = set_to
     deadline = _deadline(request, state)
@@ -312,7 +363,17 @@ async def _serve(
     finally:
         trace.queue_wait_ms = (asyncio.get_running_loop().time() - queued_at) * 1000
         state.metrics.queue_depth(model.config.name, controller.queue_depth)
+    loop = asyncio.get_running_loop()
+    progress: Progress | None = None
+    result = ForwardResult()
     try:
+        if model.tracker is not None:
+            progress = Progress(
+                lease=lease, prompt_tokens=demand.prompt_tokens, max_tokens=plan.max_tokens,
+                n=req.n, min_tokens=plan.min_tokens, strict=plan.strict, stream=req.stream,
+                chat=req.endpoint is Endpoint.CHAT, started_s=loop.time(),
+            )
+            model.tracker.track(progress)
         trace.backend = lease.backend.name
         state.metrics.admitted(model.config.name, reserved_tokens=demand.tokens,
                                waited_s=trace.queue_wait_ms / 1000)
@@ -320,13 +381,13 @@ async def _serve(
         if set_to is not None:
             body = json.dumps({**req.body, req.max_tokens_field: set_to}).encode()
         path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/completions"
-        result = ForwardResult()
         assert state.session is not None
         try:
             response = await forward(
                 session=state.session, request=request, backend_name=lease.backend.name,
                 url=lease.backend.url + path, api_key=lease.backend.api_key, body=body,
                 extra_headers=trace.headers(), result=result,
+                on_chunk=None if progress is None else progress.feed,
             )
         except KvgateError:
             trace.outcome = Outcome.UPSTREAM_ERROR
@@ -340,6 +401,12 @@ async def _serve(
             trace.outcome = Outcome.UPSTREAM_ERROR
         return response
     finally:
+        if progress is not None and model.tracker is not None:
+            model.tracker.finish(
+                progress, loop.time(),
+                completed=(trace.outcome == Outcome.COMPLETED and result.status == 200
+                           and not result.failed_mid_stream),
+            )
         lease.release()
 
 
@@ -377,10 +444,42 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.json_response({"ready": True, "ledger_available": True})
 
 
+def _backend_view(state: ProxyState, model: ModelRuntime, backend: Backend,
+                  now: float) -> dict[str, Any]:
+    """One backend as this replica sees it now: the ledger's view and the engine's."""
+    leases = [p.lease for p in model.tracker.live()] if model.tracker is not None else []
+    view: dict[str, Any] = {
+        "url": backend.url, "healthy": backend.healthy,
+        "capacity_tokens": backend.capacity_tokens,
+        "resident_tokens": state.ledger.resident(backend.name),
+        "admission_target_tokens": backend.target_tokens,
+        "leases": state.ledger.lease_count(backend.name),
+        "inflight": backend.inflight,
+    }
+    if model.tracker is not None:
+        target = model.targets[backend.name]
+        view.update({
+            "engine_estimate_tokens": model.tracker.engine_estimate_tokens(backend.name, now),
+            "lease_shortfall_tokens": sum(lease.shortfall_tokens for lease in leases
+                                          if lease.backend is backend),
+            "engine_kv_usage_ratio": target.usage_ratio,
+            "engine_preemptions_reported": target.preemptions_seen,
+        })
+    return view
+
+
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
+    now = asyncio.get_running_loop().time()
     for m in state.models.values():
         state.metrics.queue_depth(m.config.name, m.controller.queue_depth)
+        for b in m.controller.backends:
+            view = _backend_view(state, m, b, now)
+            state.metrics.backend_view(
+                b.name, resident=view["resident_tokens"], inflight=b.inflight,
+                target=b.target_tokens, engine_estimate=view.get("engine_estimate_tokens", 0),
+                shortfall=view.get("lease_shortfall_tokens", 0),
+            )
     state.metrics.ledger_available(state.ledger.available)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -404,15 +503,15 @@ async def _admin_state(request: web.Request) -> web.Response:
             "queue_depth": c.queue_depth,
             "oldest_wait_ms": round(c.oldest_wait_s(now) * 1000, 1),
             "queued_tokens": c.queued_tokens(),
+            **({"output_history": {
+                "samples": len(m.tracker.history), "ready": m.tracker.history.ready,
+                "p50_tokens": m.tracker.history.quantile_of(0.5),
+                "p90_tokens": m.tracker.history.quantile_of(0.9),
+                "decode_tokens_per_s": round(m.tracker.decode_tokens_per_s, 1),
+            }} if m.tracker is not None else {}),
             "capacity_source": m.config.capacity_source,
-            "backends": {
-                b.name: {"url": b.url, "healthy": b.healthy,
-                         "capacity_tokens": b.capacity_tokens,
-                         "resident_tokens": state.ledger.resident(b.name),
-                         "leases": state.ledger.lease_count(b.name),
-                         "inflight": b.inflight}
-                for b in c.backends
-            },
+            "reservation": m.config.reservation.value,
+            "backends": {b.name: _backend_view(state, m, b, now) for b in c.backends},
         }
     return web.json_response(out)
 
@@ -504,6 +603,74 @@ async def _health_loop(state: ProxyState) -> None:
         await asyncio.sleep(interval)
 
 
+async def _resize_loop(state: ProxyState, model: ModelRuntime) -> None:
+    """Follow the model's live requests: resize their leases as they generate."""
+    assert model.tracker is not None
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            await model.tracker.tick(model.controller, loop.time())
+        except Exception:  # a dead loop would leave leases unfollowed: log, go on
+            logging.getLogger("kvgate").exception("resizing leases of %s failed",
+                                                  model.config.name)
+        await asyncio.sleep(model.config.adaptive.resize_interval_s)
+
+
+async def _engine_loop(state: ProxyState, model: ModelRuntime) -> None:
+    """Close the loop with the engine's own figures (vLLM's metric names).
+
+    A preemption, or the engine holding more than every lease, tightens the
+    backend's admission target at once; quiet polls loosen it slowly.
+    """
+    loop = asyncio.get_running_loop()
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    while True:
+        assert state.session is not None
+        for backend in model.controller.backends:
+            if not backend.healthy:
+                continue
+            try:
+                async with state.session.get(f"{backend.url}/metrics", timeout=timeout) as resp:
+                    if resp.status != 200:
+                        continue
+                    text = await resp.text()
+            except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+                continue
+            load = engine_load(text)
+            target = model.targets[backend.name]
+            before = backend.target_factor
+            backend.target_factor = target.observe(
+                now=loop.time(), preemptions_total=load.preemptions_total,
+                engine_tokens=(None if load.usage_ratio is None
+                               else int(load.usage_ratio * backend.capacity_tokens)),
+                reserved_tokens=state.ledger.resident(backend.name),
+                capacity_tokens=backend.capacity_tokens,
+            )
+            target.usage_ratio = load.usage_ratio
+            state.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,
+                                          preemptions=load.preemptions_total)
+            if backend.target_factor < before:
+                logging.getLogger("kvgate").warning(
+                    "backend %s: engine pressure (preemptions %s, KV use %s); admission "
+                    "target now %d of %d tokens", backend.name, load.preemptions_total,
+                    load.usage_ratio, backend.target_tokens, backend.capacity_tokens)
+            elif backend.target_factor > before:
+                model.controller.kick()
+        await asyncio.sleep(model.config.adaptive.engine_poll_interval_s)
+
+
+async def _adaptive_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE_KEY]
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(factory(state, m))
+             for m in state.models.values() if m.tracker is not None
+             for factory in (_resize_loop, _engine_loop)]
+    yield
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.get_running_loop().create_task(_health_loop(app[STATE_KEY]))
     yield
@@ -517,6 +684,7 @@ def build_app(config: KvgateConfig, *, ledger: Ledger | None = None) -> web.Appl
     app.cleanup_ctx.append(_ledger_ctx)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_health_ctx)
+    app.cleanup_ctx.append(_adaptive_ctx)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)

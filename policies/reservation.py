@@ -1,0 +1,139 @@
+"""Output reservation modes: how many output tokens a lease holds, and for how long.
+
+`strict` reserves prompt + max_tokens at admission and never changes it: no
+preemption while the configured capacity is right, but real clients send a fixed
+cap (or nothing) and stop at EOS far below it, so most of the pool stays empty.
+
+`adaptive` reserves the prompt exactly plus what the model has been *observed* to
+produce, and follows each request as it generates (after LightLLM's Past-Future
+scheduler and the "adaptively robust" refinement of 2508.14544: start from the
+history, refine from the request's own progress). A request that has generated
+`g` tokens holds
+
+    prompt + min(max_tokens, g + q-quantile of (L - g | L > g))
+
+where L is an observed output length. The conditional quantile shrinks as a
+request outlives short answers and grows for the long tail, so the sum of leases
+tracks what the engine will hold. Admission is by that sum against a target that
+engine feedback moves (`AdmissionTarget`).
+
+Pure: no clock reads, no I/O. Callers pass `now`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = ["AdmissionTarget", "OutputHistory", "ReservationMode"]
+
+
+class ReservationMode(StrEnum):
+    STRICT = "strict"
+    ADAPTIVE = "adaptive"
+
+
+class OutputHistory:
+    """The last `size` observed output lengths (tokens per choice) of one model.
+
+    Below `min_samples` observations `ready` is False and callers reserve as
+    `strict`: with no history, nothing but max_tokens is known to be safe.
+    """
+
+    def __init__(self, *, size: int = 2000, min_samples: int = 20, quantile: float = 0.9):
+        if size < 1 or min_samples < 1:
+            raise ValueError("`size` and `min_samples` must be >= 1")
+        if not 0.0 < quantile <= 1.0:
+            raise ValueError(f"`quantile` must be in (0, 1]. Given: {quantile}")
+        self._recent: deque[int] = deque(maxlen=size)
+        self._sorted: list[int] = []
+        self.min_samples = min_samples
+        self.quantile = quantile
+        self.observed_total = 0
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    @property
+    def ready(self) -> bool:
+        return len(self._recent) >= self.min_samples
+
+    def observe(self, output_tokens: int) -> None:
+        if output_tokens < 0:
+            raise ValueError(f"`output_tokens` must be >= 0. Given: {output_tokens}")
+        if len(self._recent) == self._recent.maxlen:
+            old = self._recent[0]
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._recent.append(output_tokens)
+        bisect.insort(self._sorted, output_tokens)
+        self.observed_total += 1
+
+    def remaining(self, generated: int) -> int:
+        """Tokens still to come for a request that has produced `generated` tokens.
+
+        The q-quantile of L - generated over observed lengths L > generated. Past
+        the observed tail (fewer than 8 longer samples) the request is assumed to
+        go on as long again as it has run, the usual heavy-tail guess; callers cap
+        the result at max_tokens. Example, history [10, 20, 30, ..., 1000] and
+        q = 0.9: at 0 generated -> 900; at 500 generated (50 longer samples,
+        510..1000) -> 950 - 500 = 450.
+        """
+        start = bisect.bisect_right(self._sorted, generated)
+        longer = len(self._sorted) - start
+        if longer < 8:
+            return max(generated, 1)
+        index = start + min(longer - 1, int(self.quantile * longer))
+        return self._sorted[index] - generated
+
+    def quantile_of(self, q: float) -> int:
+        if not self._sorted:
+            return 0
+        return self._sorted[min(len(self._sorted) - 1, int(q * len(self._sorted)))]
+
+
+@dataclass(slots=True, kw_only=True)
+class AdmissionTarget:
+    """The fraction of a backend's capacity that new admissions may fill.
+
+    Closes the loop with the engine's own figures: a preemption, or the engine
+    holding more than kvgate has reserved, tightens at once (x `tighten`); each
+    quiet second loosens by `loosen_per_s` back towards 1.0. Growth of live leases
+    may still use the whole capacity, so a lower target leaves them room.
+    """
+
+    factor: float = 1.0
+    floor: float = 0.5
+    tighten: float = 0.85
+    loosen_per_s: float = 0.02
+    last_s: float | None = None
+    preemptions_seen: int | None = None
+    usage_ratio: float | None = None  # the engine's last report, for display
+    tightened_total: int = 0
+
+    def observe(
+        self, *, now: float, preemptions_total: int | None, engine_tokens: int | None,
+        reserved_tokens: int, capacity_tokens: int,
+    ) -> float:
+        """Update from one scrape of the engine; -> the new factor."""
+        elapsed = 0.0 if self.last_s is None else max(0.0, now - self.last_s)
+        self.last_s = now
+        pressure = False
+        if preemptions_total is not None:
+            if self.preemptions_seen is not None and preemptions_total > self.preemptions_seen:
+                pressure = True
+            self.preemptions_seen = preemptions_total
+        # The engine holds more than every lease could: traffic kvgate does not see,
+        # or a count that is off. One block of slack per 64 absorbs rounding.
+        if engine_tokens is not None and engine_tokens > reserved_tokens + capacity_tokens // 64:
+            pressure = True
+        if pressure:
+            self.factor = max(self.floor, self.factor * self.tighten)
+            self.tightened_total += 1
+        else:
+            self.factor = min(1.0, self.factor + self.loosen_per_s * elapsed)
+        return self.factor
+
+    def target_tokens(self, capacity_tokens: int) -> int:
+        return int(capacity_tokens * self.factor)

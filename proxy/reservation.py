@@ -1,0 +1,170 @@
+"""Adaptive reservation at run time: follow each admitted request as it generates.
+
+One `ReservationTracker` per served model. At admission it sizes the lease from
+the model's output history (`policies.reservation.OutputHistory`); while the
+request runs it estimates the tokens generated so far and resizes the lease to
+prompt + generated + expected remainder; at the end it records the output length.
+
+Progress is what kvgate can see without changing the answer:
+* streams: the SSE `data:` events forwarded so far (one per decode step in vLLM,
+  SGLang and the simulator; the role and finish events count too, which only
+  errs on the safe side);
+* non-streamed answers: time since forwarding x the decode rate per sequence
+  learnt from finished requests (`usage.completion_tokens` / duration).
+
+Requests that set `ignore_eos`, or several prompts in one completions call, are
+reserved as `strict`: nothing learnt about EOS applies to them.
+
+No aiohttp here; the server feeds chunks and calls `tick` on a timer.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from policies.reservation import OutputHistory
+from proxy.admission import AdmissionController, Lease
+
+__all__ = ["Progress", "ReservationTracker", "output_tokens_from_tail"]
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_TAIL_BYTES = 4096
+
+
+def output_tokens_from_tail(tail: bytes) -> int | None:
+    """`usage.completion_tokens` from the end of an answer, if the backend sent it."""
+    found = _COMPLETION_TOKENS.findall(tail)
+    return int(found[-1]) if found else None
+
+
+@dataclass(slots=True, kw_only=True)
+class Progress:
+    """One admitted request's view: what it asked for and what it has produced."""
+
+    lease: Lease
+    prompt_tokens: int
+    max_tokens: int
+    n: int
+    min_tokens: int
+    strict: bool
+    stream: bool
+    chat: bool
+    started_s: float
+    first_event_s: float | None = None
+    events: int = 0
+    tail: bytearray = field(default_factory=bytearray)
+
+    def feed(self, chunk: bytes) -> None:
+        """Called for every chunk forwarded to the client; cheap on purpose."""
+        if self.stream:
+            found = chunk.count(b"data:")
+            if found and self.first_event_s is None:
+                self.first_event_s = time.monotonic()  # the event loop's clock
+            self.events += found
+        self.tail += chunk
+        if len(self.tail) > 2 * _TAIL_BYTES:
+            del self.tail[:-_TAIL_BYTES]
+
+    def streamed_tokens(self) -> int:
+        """Output tokens per choice seen in the stream (role and finish events excluded)."""
+        overhead = (2 if self.chat else 1) * self.n + 1  # + the final [DONE]
+        return max(0, self.events - overhead) // self.n
+
+
+class ReservationTracker:
+    """Sizes, follows and learns from the leases of one model in `adaptive` mode."""
+
+    def __init__(
+        self,
+        *,
+        history: OutputHistory,
+        ledger_tokens: Callable[[int], int],
+        block_size: int,
+        decode_tokens_per_s: float = 100.0,
+    ) -> None:
+        self.history = history
+        self._ledger_tokens = ledger_tokens
+        self._block = block_size
+        # Decode rate per sequence, for non-streamed answers. Starts high on purpose:
+        # overestimating progress grows a lease early, which is the safe side.
+        self.decode_tokens_per_s = decode_tokens_per_s
+        self._live: dict[str, Progress] = {}
+
+    # ------------------------------------------------------------------ sizing
+    def output_budget(self, *, max_tokens: int, min_tokens: int, strict: bool,
+                      generated: int = 0) -> int:
+        """Output tokens to hold for a request that has generated `generated`."""
+        if strict or not self.history.ready:
+            return max_tokens
+        expected = generated + self.history.remaining(generated)
+        return min(max_tokens, max(min_tokens, expected))
+
+    def lease_tokens(self, *, prompt_tokens: int, max_tokens: int, n: int, min_tokens: int,
+                     strict: bool, generated: int = 0) -> int:
+        out = self.output_budget(max_tokens=max_tokens, min_tokens=min_tokens, strict=strict,
+                                 generated=generated)
+        return n * self._ledger_tokens(prompt_tokens + out)
+
+    # ------------------------------------------------------------------ tracking
+    def track(self, progress: Progress) -> None:
+        self._live[progress.lease.lease_id] = progress
+
+    def generated(self, progress: Progress, now: float) -> int:
+        if progress.stream:
+            return progress.streamed_tokens()
+        return int(max(0.0, now - progress.started_s) * self.decode_tokens_per_s)
+
+    def finish(self, progress: Progress, now: float, *, completed: bool) -> None:
+        """Stop following; learn the output length of an answer that ended normally.
+
+        Cut answers (client gone, upstream error) would bias the history short, so
+        only complete ones count.
+        """
+        self._live.pop(progress.lease.lease_id, None)
+        if not completed or progress.strict:
+            return
+        out = output_tokens_from_tail(bytes(progress.tail))
+        if out is not None:
+            out //= progress.n
+        elif progress.stream:
+            out = progress.streamed_tokens()
+        if out is None:
+            return
+        self.history.observe(min(out, progress.max_tokens))
+        started = progress.first_event_s if progress.stream else progress.started_s
+        if started is not None and out >= 16 and now > started:
+            rate = out / (now - started)
+            self.decode_tokens_per_s = 0.9 * self.decode_tokens_per_s + 0.1 * rate
+
+    def live(self) -> list[Progress]:
+        return list(self._live.values())
+
+    def engine_estimate_tokens(self, backend: str, now: float) -> int:
+        """What this replica's requests on `backend` hold in the engine now (estimate)."""
+        return sum(
+            p.n * self._ledger_tokens(p.prompt_tokens + min(p.max_tokens, self.generated(p, now)))
+            for p in self._live.values() if p.lease.backend.name == backend
+        )
+
+    async def tick(self, controller: AdmissionController, now: float) -> None:
+        """Resize every live lease to what its progress says it will still need.
+
+        Growth happens as soon as the estimate rises; shrinking waits for two blocks
+        of slack so a lease does not flap on every decode step.
+        """
+        for progress in list(self._live.values()):
+            lease = progress.lease
+            if lease.released or progress.strict:
+                continue
+            wanted = self.lease_tokens(
+                prompt_tokens=progress.prompt_tokens, max_tokens=progress.max_tokens,
+                n=progress.n, min_tokens=progress.min_tokens, strict=False,
+                generated=self.generated(progress, now),
+            )
+            if wanted > lease.tokens or wanted < lease.tokens - 2 * self._block * progress.n:
+                await controller.resize(lease, wanted)
+            else:
+                lease.wanted_tokens = wanted
