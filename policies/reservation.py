@@ -74,18 +74,23 @@ class OutputHistory:
         """Tokens still to come for a request that has produced `generated` tokens.
 
         The q-quantile of L - generated over observed lengths L > generated. Past
-        the observed tail (fewer than 8 longer samples) the request is assumed to
-        go on as long again as it has run, the usual heavy-tail guess; callers cap
-        the result at max_tokens. Example, history [10, 20, 30, ..., 1000] and
+        the observed tail (fewer longer samples than `tail_samples`: 8, or fewer
+        while the history is short) the request is assumed to go on as long again
+        as it has run, the usual heavy-tail guess; callers cap the result at
+        max_tokens. Example, history [10, 20, 30, ..., 1000] and
         q = 0.9: at 0 generated -> 900; at 500 generated (50 longer samples,
         510..1000) -> 950 - 500 = 450.
         """
         start = bisect.bisect_right(self._sorted, generated)
         longer = len(self._sorted) - start
-        if longer < 8:
+        if longer < self.tail_samples or longer == 0:
             return max(generated, 1)
         index = start + min(longer - 1, int(self.quantile * longer))
         return self._sorted[index] - generated
+
+    @property
+    def tail_samples(self) -> int:
+        return max(1, min(8, len(self._sorted) // 10))
 
     def quantile_of(self, q: float) -> int:
         if not self._sorted:

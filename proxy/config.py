@@ -86,7 +86,7 @@ class AdaptiveConfig:
     """`[models.adaptive]`: how adaptive reservation learns and follows requests."""
 
     quantile: float = 0.5
-    min_samples: int = 20
+    min_samples: int = 10
     history: int = 2000
     resize_interval_s: float = 0.1
     engine_poll_interval_s: float = 0.5
@@ -416,7 +416,7 @@ def _adaptive(data: Mapping[str, Any], w: str) -> AdaptiveConfig:
     quantile = _num(data, "quantile", w, 0.5, minimum=0.01)
     if quantile > 1.0:
         raise ConfigError(f"`{w}quantile` must be <= 1. Given: {quantile}")
-    min_samples = _int(data, "min_samples", w, 20, minimum=1)
+    min_samples = _int(data, "min_samples", w, 10, minimum=1)
     history = _int(data, "history", w, 2000, minimum=1)
     if history < min_samples:
         raise ConfigError(f"`{w}history` {history} must be >= `{w}min_samples` {min_samples}")

@@ -51,8 +51,8 @@ async def running_stack(
     try:
         for i in range(backends):
             settings = SimSettings(
-                engine=EngineConfig(kv_tokens=kv_tokens, output_length=OutputLength.MAX,
-                                    seed=i, **(engine or {})),
+                engine=EngineConfig(**{"kv_tokens": kv_tokens, "output_length": OutputLength.MAX,
+                                       "seed": i, **(engine or {})}),
                 model=MODEL, model_dir=str(MODELS / MODEL), max_model_len=8192,
             )
             sims.append(await start_sim(settings, "127.0.0.1", 0))

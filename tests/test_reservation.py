@@ -1,0 +1,322 @@
+"""Adaptive reservation: the learnt output budget, resizable leases, engine feedback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from policies.ordering import make_ordering
+from policies.reservation import AdmissionTarget, OutputHistory
+from proxy.admission import AdmissionController, Backend, Demand
+from proxy.engine_metrics import engine_load
+from proxy.ledger import MemoryLedger
+from proxy.redis_ledger import RedisLedger
+from proxy.reservation import output_tokens_from_tail
+from proxy.sim.engine import OutputLength
+from tests.support.redis_server import RedisServer
+from tests.support.servers import running_sim
+from tests.support.stack import MODEL, Stack, running_stack
+
+MSGS = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+# ----------------------------------------------------------------------------- history
+
+
+def test_history_remaining_is_the_conditional_quantile() -> None:
+    h = OutputHistory(size=1000, min_samples=100, quantile=0.9)
+    for length in range(10, 1001, 10):  # 10, 20, ..., 1000
+        h.observe(length)
+    assert h.ready
+    assert h.remaining(0) == 910  # index int(0.9 * 100) = 90 -> 910
+    # 50 samples longer than 500 (510..1000): index int(0.9 * 50) = 45 -> 960
+    assert h.remaining(500) == 960 - 500
+    # past the tail (fewer than 8 longer samples): as long again as it has run
+    assert h.remaining(995) == 995
+    assert h.quantile_of(0.5) == 510
+
+
+def test_history_not_ready_below_min_samples_and_evicts_oldest() -> None:
+    h = OutputHistory(size=4, min_samples=3, quantile=0.5)
+    h.observe(100)
+    h.observe(200)
+    assert not h.ready
+    for length in (5, 5, 5, 5):
+        h.observe(length)
+    assert h.ready and len(h) == 4
+    assert h.quantile_of(1.0) == 5  # 100 and 200 have left the window
+    with pytest.raises(ValueError, match="output_tokens"):
+        h.observe(-1)
+
+
+def test_admission_target_tightens_at_once_and_loosens_slowly() -> None:
+    t = AdmissionTarget(tighten=0.8, loosen_per_s=0.05, floor=0.5)
+    assert t.observe(now=0.0, preemptions_total=3, engine_tokens=100, reserved_tokens=1000,
+                     capacity_tokens=1024) == 1.0  # first sight of the counter: no delta
+    assert t.observe(now=1.0, preemptions_total=4, engine_tokens=100, reserved_tokens=1000,
+                     capacity_tokens=1024) == pytest.approx(0.8)
+    # the engine holds more than all leases: tighten again
+    assert t.observe(now=2.0, preemptions_total=4, engine_tokens=1100, reserved_tokens=1000,
+                     capacity_tokens=1024) == pytest.approx(0.64)
+    assert t.observe(now=4.0, preemptions_total=4, engine_tokens=900, reserved_tokens=1000,
+                     capacity_tokens=1024) == pytest.approx(0.74)
+    for now in range(5, 100):
+        t.observe(now=float(now), preemptions_total=4, engine_tokens=0, reserved_tokens=0,
+                  capacity_tokens=1024)
+    assert t.factor == 1.0
+    assert t.target_tokens(1000) == 1000
+    for i in range(20):
+        t.observe(now=100.0 + i, preemptions_total=10 + i, engine_tokens=None,
+                  reserved_tokens=0, capacity_tokens=1024)
+    assert t.factor == 0.5  # never below the floor
+
+
+# ----------------------------------------------------------------------------- engine figures
+
+
+def test_engine_load_reads_the_simulators_and_vllms_metric_text() -> None:
+    async def scenario() -> None:
+        async with running_sim(kv_tokens=1024, output_length=OutputLength.MAX,
+                               decode_step_ms=20.0) as url, aiohttp.ClientSession() as s:
+            body = {"model": "sim-model", "prompt": "hello " * 250, "max_tokens": 100,
+                    "stream": True}
+            async with s.post(f"{url}/v1/completions", json=body) as resp:
+                await resp.content.readline()  # running now
+                async with s.get(f"{url}/metrics") as metrics:
+                    load = engine_load(await metrics.text())
+                resp.close()
+        assert load.preemptions_total == 0
+        assert load.usage_ratio is not None and load.usage_ratio > 0.2
+
+    asyncio.run(scenario())
+    vllm_v0 = (
+        '# TYPE vllm:gpu_cache_usage_perc gauge\n'
+        'vllm:gpu_cache_usage_perc{model_name="m"} 0.25\n'
+        '# TYPE vllm:num_preemptions_total counter\n'
+        'vllm:num_preemptions_total{model_name="m"} 3.0\n'
+    )
+    load = engine_load(vllm_v0)
+    assert (load.usage_ratio, load.preemptions_total) == (0.25, 3)
+    assert engine_load("not prometheus {{{").usage_ratio is None
+
+
+def test_usage_is_read_from_the_end_of_an_answer() -> None:
+    assert output_tokens_from_tail(b'..."usage":{"prompt_tokens":5,"completion_tokens":42}}') == 42
+    assert output_tokens_from_tail(b'data: {"choices":[]}\n\n') is None
+
+
+# ----------------------------------------------------------------------------- ledgers
+
+
+def test_memory_ledger_resize_shrinks_and_grows_only_into_free_room() -> None:
+    led = MemoryLedger()
+    assert led.reserve_now("gpu", "a", 400, 1000)
+    assert led.reserve_now("gpu", "b", 500, 1000)
+    assert led.resize_now("a", 200, 1000) == 200  # shrink always
+    assert led.resident("gpu") == 700
+    assert led.resize_now("a", 900, 1000) == 500  # only the 300 free tokens
+    assert led.resident("gpu") == 1000
+    led.release("b")
+    assert led.resize_now("a", 900, 1000) == 900
+    assert led.resize_now("gone", 10, 1000) == 0
+    led.release("a")
+    assert led.resident("gpu") == 0
+
+
+def test_redis_resize_never_takes_what_another_replica_holds(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        async with _redis(redis_server) as one, _redis(redis_server) as two:
+            a, b = uuid.uuid4().hex, uuid.uuid4().hex
+            assert await one.reserve("gpu-a", a, 400, 1000)
+            assert await two.reserve("gpu-a", b, 500, 1000)
+            assert await one.resize(a, 900, 1000) == 500  # 100 left for it, not 500
+            assert await one.resident_now("gpu-a") == 1000
+            assert await two.resize(b, 100, 1000) == 100
+            assert await one.resident_now("gpu-a") == 600
+            assert await one.resize(a, 900, 1000) == 900
+            one.release(a)
+            two.release(b)
+            assert await one.resize(a, 50, 1000) == 0  # released: nothing to resize
+            await one._ops.join()
+            await two._ops.join()
+            assert await one.resident_now("gpu-a") == 0
+
+    asyncio.run(scenario())
+
+
+@contextlib.asynccontextmanager
+async def _redis(server: RedisServer) -> AsyncIterator[RedisLedger]:
+    led = RedisLedger(server.url, backends=["gpu-a"], key_prefix="r")
+    await led.start()
+    try:
+        yield led
+    finally:
+        await led.close()
+
+
+def test_a_shrinking_lease_admits_the_waiter_it_made_room_for() -> None:
+    async def scenario() -> None:
+        backend = Backend(name="gpu", url="http://127.0.0.1:9", capacity_tokens=1000)
+        c = AdmissionController(model="m", backends=[backend], ledger=MemoryLedger(),
+                                ordering=make_ordering("fifo"))
+        first = await c.acquire(Demand(tokens=800, prompt_tokens=100, max_tokens=700), 1e9)
+        loop = asyncio.get_running_loop()
+        waiter = asyncio.ensure_future(
+            c.acquire(Demand(tokens=600, prompt_tokens=100, max_tokens=500), loop.time() + 5))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        assert await c.resize(first, 1100) == 1000  # grows only to the capacity
+        assert first.shortfall_tokens == 100
+        assert await c.resize(first, 300) == 300
+        second = await asyncio.wait_for(waiter, 1)
+        first.release()
+        second.release()
+        assert c.rooms()[0].resident_tokens == 0
+
+    asyncio.run(scenario())
+
+
+# ----------------------------------------------------------------------------- over HTTP
+
+
+ADAPTIVE = {"reservation": "adaptive", "adaptive": {"min_samples": 4, "quantile": 0.5}}
+# The simulated engine here runs every answer to its max_tokens, so a warm-up with
+# max_tokens N teaches the history "answers are N tokens long".
+
+
+def _strict_tokens(prompt_tokens: int, max_tokens: int) -> int:
+    return -(-(prompt_tokens + max_tokens) // 16) * 16
+
+
+async def _chat(s: aiohttp.ClientSession, stack: Stack, **body: Any) -> tuple[int, dict[str, str]]:
+    async with s.post(f"{stack.url}/v1/chat/completions",
+                      json={"model": MODEL, "messages": MSGS, **body}) as resp:
+        await resp.read()
+        return resp.status, dict(resp.headers)
+
+
+async def _headers(s: aiohttp.ClientSession, stack: Stack,
+                   **body: Any) -> tuple[int, dict[str, str]]:
+    """Admission's answer only: read the headers, then leave (the engine aborts)."""
+    async with s.post(f"{stack.url}/v1/chat/completions",
+                      json={"model": MODEL, "messages": MSGS, **body}) as resp:
+        headers = dict(resp.headers)
+        resp.close()
+        return resp.status, headers
+
+
+@contextlib.asynccontextmanager
+async def _adaptive_stack(**engine: Any) -> AsyncIterator[Stack]:
+    async with running_stack(backends=1, kv_tokens=8192, model=ADAPTIVE,
+                             engine={"decode_step_ms": 2.0, **engine}) as stack:
+        yield stack
+
+
+def test_adaptive_reserves_strict_until_history_then_what_answers_use() -> None:
+    async def scenario() -> None:
+        async with _adaptive_stack() as stack, aiohttp.ClientSession() as s:
+            status, headers = await _chat(s, stack, max_tokens=24)
+            prompt = int(headers["x-kvgate-prompt-tokens"])
+            assert status == 200
+            assert int(headers["x-kvgate-reserved-tokens"]) == _strict_tokens(prompt, 24)
+            for _ in range(4):  # history: four answers of 24 tokens
+                assert (await _chat(s, stack, max_tokens=24))[0] == 200
+            # a client cap of 4,000 now reserves what answers really used, not the cap
+            status, headers = await _headers(s, stack, max_tokens=4000, stream=True)
+            assert status == 200
+            assert int(headers["x-kvgate-reserved-tokens"]) == _strict_tokens(prompt, 24)
+            # ignore_eos runs to max_tokens: nothing learnt about EOS applies
+            status, headers = await _chat(s, stack, max_tokens=300, ignore_eos=True)
+            assert int(headers["x-kvgate-reserved-tokens"]) == _strict_tokens(prompt, 300)
+            # min_tokens is a floor the engine honours: reserved at least that
+            status, headers = await _headers(s, stack, max_tokens=4000, min_tokens=1000)
+            assert int(headers["x-kvgate-reserved-tokens"]) == _strict_tokens(prompt, 1000)
+            status, headers = await _chat(s, stack, max_tokens=40, min_tokens="many")
+            assert status == 400
+            await _settled(stack)
+
+    asyncio.run(scenario())
+
+
+def test_adaptive_lease_grows_while_a_stream_generates_and_returns_to_zero() -> None:
+    async def scenario() -> None:
+        async with _adaptive_stack() as stack, aiohttp.ClientSession() as s:
+            for _ in range(4):
+                assert (await _chat(s, stack, max_tokens=8))[0] == 200
+            lease_sizes: list[int] = []
+            body = {"model": MODEL, "messages": MSGS, "max_tokens": 600, "stream": True}
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                initial = int(resp.headers["x-kvgate-reserved-tokens"])
+                async for _ in resp.content:
+                    lease_sizes.append(stack.resident()["sim-0"])
+            prompt = int(resp.headers["x-kvgate-prompt-tokens"])
+            assert initial == _strict_tokens(prompt, 8)  # what answers have used
+            # it ran to 600 tokens: the lease followed it up to prompt + 600
+            assert max(lease_sizes) >= _strict_tokens(prompt, 560)
+            assert max(lease_sizes) <= _strict_tokens(prompt, 600)
+            await _settled(stack)
+            assert stack.resident()["sim-0"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_adaptive_decisions_do_not_read_the_simulators_output_field() -> None:
+    """Two requests admitted on the same history get the same lease with and without
+    the simulator-only `sim_output_tokens` field."""
+
+    async def scenario() -> None:
+        async with _adaptive_stack(decode_step_ms=10.0) as stack, aiohttp.ClientSession() as s:
+            for _ in range(4):
+                assert (await _chat(s, stack, max_tokens=30))[0] == 200
+            results = await asyncio.gather(
+                _headers(s, stack, max_tokens=2000, stream=True, sim_output_tokens=5),
+                _headers(s, stack, max_tokens=2000, stream=True),
+            )
+            assert results[0][1]["x-kvgate-reserved-tokens"] == \
+                results[1][1]["x-kvgate-reserved-tokens"]
+            await _settled(stack)
+
+    asyncio.run(scenario())
+
+
+def test_adaptive_state_and_metrics_show_engine_figures() -> None:
+    async def scenario() -> None:
+        async with _adaptive_stack() as stack, aiohttp.ClientSession() as s:
+            for _ in range(4):
+                assert (await _chat(s, stack, max_tokens=8))[0] == 200
+            await asyncio.sleep(0.8)  # one engine poll
+            async with s.get(f"{stack.url}/admin/state") as resp:
+                state = await resp.json()
+            model = state["models"][MODEL]
+            assert model["reservation"] == "adaptive"
+            assert model["output_history"]["samples"] == 4
+            assert model["output_history"]["p50_tokens"] == 8
+            backend = model["backends"]["sim-0"]
+            assert backend["engine_kv_usage_ratio"] == 0.0
+            assert backend["engine_preemptions_reported"] == 0
+            assert backend["admission_target_tokens"] == 8192
+            async with s.get(f"{stack.url}/metrics") as resp:
+                text = await resp.text()
+            from prometheus_client.parser import text_string_to_metric_families
+
+            values = {(smp.name, smp.labels.get("backend")): smp.value
+                      for fam in text_string_to_metric_families(text) for smp in fam.samples}
+            assert values[("kvgate_admission_target_tokens", "sim-0")] == 8192
+            assert values[("kvgate_engine_kv_usage_ratio", "sim-0")] == 0.0
+            assert values[("kvgate_engine_preemptions_reported", "sim-0")] == 0
+            assert values[("kvgate_resident_tokens", "sim-0")] == 0
+
+    asyncio.run(scenario())
+
+
+async def _settled(stack: Stack) -> None:
+    async with asyncio.timeout(5):
+        while any(stack.resident().values()):
+            await asyncio.sleep(0.01)
