@@ -12,9 +12,13 @@ server's clock (TIME), never a replica's, so clock skew between replicas cannot
 reclaim live leases early.
 
 Leases carry a TTL; the owning replica renews its live leases every ttl/3. A
-crashed or partitioned replica stops renewing, and any replica's next reserve or
-maintenance pass reclaims its leases. Worst-case time to reclaim after a crash:
-lease_ttl_s + refresh_interval_s (30.5 s with the defaults).
+crashed or partitioned replica stops renewing, and every replica's refresh pass
+(each `refresh_interval_s`) reclaims expired leases, as does any reserve. Worst-case
+time to reclaim after a crash: lease_ttl_s + refresh_interval_s (30.5 s with the
+defaults), plus one round trip.
+
+A reserve whose reply never came (cancelled, timed out, connection cut) queues its
+own undo: the script may have run, and the release script ignores unknown leases.
 
 Renewal also re-adds a live lease that Redis no longer has (a Redis restart
 without persistence, or an outage longer than the TTL), so resident tokens equal
@@ -81,6 +85,14 @@ redis.call('INCRBY', KEYS[1], tokens)
 redis.call('HSET', KEYS[2], ARGV[1], tokens)
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[1])
 return {1, resident + tokens}
+"""
+
+# ARGV[1] channel, ARGV[2] backend
+# returns {resident after, leases reclaimed}: the refresh pass, so expired leases go on
+# the refresh schedule even when no replica reserves or renews on this backend.
+RECLAIM_LUA = _RECLAIM + """
+if #expired > 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
+return {tonumber(redis.call('GET', KEYS[1]) or '0'), #expired}
 """
 
 # ARGV[1] lease id, ARGV[2] channel, ARGV[3] backend
@@ -196,6 +208,7 @@ class RedisLedger:
         self._release = self._client.register_script(RELEASE_LUA)
         self._renew = self._client.register_script(RENEW_LUA)
         self._resize = self._client.register_script(RESIZE_LUA)
+        self._reclaim = self._client.register_script(RECLAIM_LUA)
         with contextlib.suppress(*_CONNECTION_ERRORS):
             await self._client.ping()
             self._available = True
@@ -245,6 +258,10 @@ class RedisLedger:
             self._ops.put_nowait(("release", backend, lease_id))
             raise
         except _CONNECTION_ERRORS as exc:
+            # The script may have run and only its reply was lost (a timeout, a
+            # connection cut after the retry): undo it like a cancelled reserve, or
+            # the capacity would be held by nobody until the TTL.
+            self._ops.put_nowait(("release", backend, lease_id))
             self._set_available(False, exc)
             raise LedgerUnavailable(
                 f"the shared ledger cannot be reached ({type(exc).__name__}); "
@@ -395,14 +412,23 @@ class RedisLedger:
                 since_renew = 0.0
             else:
                 with contextlib.suppress(*_CONNECTION_ERRORS):
-                    assert self._client is not None
-                    values = await self._client.mget([self.keys(b)[0] for b in self._backends])
-                    for backend, value in zip(self._backends, values, strict=True):
-                        self._resident[backend] = int(value or 0)
+                    await self._reclaim_expired()
             # Waiters re-check after each pass: this covers a lost pub/sub message.
             self._notify_all()
             await asyncio.sleep(self._refresh_s)
             since_renew += self._refresh_s
+
+    async def _reclaim_expired(self) -> None:
+        """One pipelined pass: reclaim expired leases, refresh the resident view."""
+        assert self._client is not None
+        pipe = self._client.pipeline(transaction=False)
+        for backend in self._backends:
+            await self._reclaim(keys=self.keys(backend), args=[self._channel, backend],
+                                client=pipe)
+        results = await pipe.execute()
+        for backend, result in zip(self._backends, results, strict=True):
+            self._resident[backend] = int(result[0])
+            self.reclaimed_total += int(result[1])
 
     async def _listen(self) -> None:
         while not self._closing:

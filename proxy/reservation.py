@@ -83,11 +83,13 @@ class ReservationTracker:
         history: OutputHistory,
         ledger_tokens: Callable[[int], int],
         block_size: int,
+        resize_interval_s: float = 0.1,
         decode_tokens_per_s: float = 100.0,
     ) -> None:
         self.history = history
         self._ledger_tokens = ledger_tokens
         self._block = block_size
+        self._interval_s = resize_interval_s
         # Decode rate per sequence, for non-streamed answers. Starts high on purpose:
         # overestimating progress grows a lease early, which is the safe side.
         self.decode_tokens_per_s = decode_tokens_per_s
@@ -115,7 +117,13 @@ class ReservationTracker:
     def generated(self, progress: Progress, now: float) -> int:
         if progress.stream:
             return progress.streamed_tokens()
+        # From the moment it was forwarded: prefill and the engine's own queue count
+        # as decoding, which overestimates progress, the safe side.
         return int(max(0.0, now - progress.started_s) * self.decode_tokens_per_s)
+
+    def lookahead_tokens(self) -> int:
+        """Tokens a request generates before the next resize: the lease stays ahead."""
+        return int(2 * self._interval_s * self.decode_tokens_per_s) + 1
 
     def finish(self, progress: Progress, now: float, *, completed: bool) -> None:
         """Stop following; learn the output length of an answer that ended normally.
@@ -134,8 +142,11 @@ class ReservationTracker:
         if out is None:
             return
         self.history.observe(min(out, progress.max_tokens))
-        started = progress.first_event_s if progress.stream else progress.started_s
-        if started is not None and out >= 16 and now > started:
+        # The decode rate per sequence, from streams only: there the first token's
+        # time is seen. A non-streamed answer's duration includes prefill and queueing,
+        # which would make the rate look slow and progress estimates short.
+        started = progress.first_event_s
+        if progress.stream and started is not None and out >= 16 and now > started:
             rate = out / (now - started)
             self.decode_tokens_per_s = 0.9 * self.decode_tokens_per_s + 0.1 * rate
 
@@ -162,7 +173,7 @@ class ReservationTracker:
             wanted = self.lease_tokens(
                 prompt_tokens=progress.prompt_tokens, max_tokens=progress.max_tokens,
                 n=progress.n, min_tokens=progress.min_tokens, strict=False,
-                generated=self.generated(progress, now),
+                generated=self.generated(progress, now) + self.lookahead_tokens(),
             )
             if wanted > lease.tokens or wanted < lease.tokens - 2 * self._block * progress.n:
                 await controller.resize(lease, wanted)

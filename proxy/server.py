@@ -65,6 +65,7 @@ class ModelRuntime:
                 history=OutputHistory(size=a.history, min_samples=a.min_samples,
                                       quantile=a.quantile),
                 ledger_tokens=self.ledger_tokens, block_size=config.block_size,
+                resize_interval_s=a.resize_interval_s,
             )
             self.targets = {b.name: AdmissionTarget() for b in controller.backends}
 

@@ -10,12 +10,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio as aioredis
 
 from policies.ordering import Fifo
 from proxy.admission import AdmissionController, Backend, Demand
 from proxy.errors import LedgerUnavailable
-from proxy.redis_ledger import RedisLedger
+from proxy.redis_ledger import RESERVE_LUA, RedisLedger
 from tests.support.redis_server import RedisServer
+from tests.support.tcp_tap import reply_dropping_relay
 
 
 def ledger(server: RedisServer, **kw: float) -> RedisLedger:
@@ -250,5 +252,66 @@ def test_redis_reserve_retried_after_a_lost_reply_counts_once(
             led.release(lease)
             await led._ops.join()
             assert await led.resident_now("gpu-a") == 0
+
+    asyncio.run(scenario())
+
+
+def test_redis_reserve_whose_reply_is_lost_is_undone(redis_server: RedisServer) -> None:
+    """The script runs but its reply never comes (twice: the one retry too), so kvgate
+    answers 503. The undo queued with the 503 releases what Redis recorded; without it
+    the capacity would be held by nobody until the TTL."""
+
+    async def scenario() -> None:
+        async with reply_dropping_relay(redis_server.port) as relay:
+            led = RedisLedger(f"redis://127.0.0.1:{relay.port}/0", backends=["gpu-a"],
+                              key_prefix="t", lease_ttl_s=60.0, socket_timeout_s=0.2)
+            await led.start()
+            admin = aioredis.Redis.from_url(redis_server.url)
+            try:
+                warm = lid()  # Redis caches the script, so the next EVALSHA runs it
+                assert await led.reserve("gpu-a", warm, 10, 100)
+                led.release(warm)
+                await led._ops.join()
+                relay.drop_replies = True
+                with pytest.raises(LedgerUnavailable):
+                    await led.reserve("gpu-a", lid(), 40, 100)
+                assert int(await admin.get(led.keys("gpu-a")[0]) or 0) == 40  # it did run
+                relay.drop_replies = False
+                async with asyncio.timeout(5):
+                    await led._ops.join()
+                assert await admin.get(led.keys("gpu-a")[0]) == b"0"
+                assert await admin.hlen(led.keys("gpu-a")[1]) == 0
+            finally:
+                relay.drop_replies = False
+                await admin.aclose()
+                await led.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_refresh_pass_reclaims_expired_leases_within_ttl_plus_refresh(
+    redis_server: RedisServer,
+) -> None:
+    """A lease nobody renews (its replica died) goes on the survivor's refresh schedule,
+    not at its next renewal: the documented bound lease_ttl_s + refresh_interval_s. The
+    survivor's own TTL is long, so it renews nothing during the test."""
+    ttl_s, refresh_s = 2.0, 0.1
+
+    async def scenario() -> None:
+        async with started(redis_server, ttl=600.0, refresh=refresh_s) as survivor:
+            # a replica reserved, then died: its lease is never renewed nor released
+            admin = aioredis.Redis.from_url(redis_server.url)
+            keys = survivor.keys("gpu-a")
+            await admin.eval(RESERVE_LUA, 3, *keys, lid(), 500, 1000, int(ttl_s * 1000),
+                             "t:released", "gpu-a")  # type: ignore[misc]
+            reserved_at = time.monotonic()
+            await admin.aclose()
+            async with asyncio.timeout(ttl_s + 5):
+                while await survivor.resident_now("gpu-a") != 0:
+                    await asyncio.sleep(0.01)
+            reclaimed_s = time.monotonic() - reserved_at
+            assert survivor.resident("gpu-a") == 0
+            assert reclaimed_s <= ttl_s + refresh_s + 0.5  # + one round trip and scheduling
+            assert survivor.reclaimed_total == 1
 
     asyncio.run(scenario())

@@ -191,3 +191,70 @@ def test_redis_restart_gives_503_then_exact_accounting(
                         await asyncio.sleep(0.05)
 
         asyncio.run(scenario())
+
+
+def test_three_adaptive_replicas_under_3x_overload_keep_preemptions_rare(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Clients cap at 1,000 tokens, answers end at EOS (the simulator's lognormal draw,
+    median 64): adaptive leases share one ceiling, the engines barely preempt, and every
+    lease and the ledger are back to zero at the end."""
+    r = redis.Redis.from_url(redis_server.url)
+    procs: list[Proc] = []
+    try:
+        sims = [start_sim(tmp_path, kv_tokens=KV_TOKENS, decode_step_ms=5.0, name=f"sim{i}",
+                          output_len="lognormal") for i in range(2)]
+        proxies = [start_proxy(tmp_path, name=f"proxy{i}", redis_url=redis_server.url,
+                               sims=sims, kv_tokens=KV_TOKENS, ttl_s=5.0,
+                               queue={"max_depth": 64}, reservation="adaptive")
+                   for i in range(3)]
+        procs = [*sims, *proxies]
+        for p in procs:
+            p.wait_ready()
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                await wait_ready(s, proxies)
+                admitted: list[str] = []
+                statuses: list[int] = []
+
+                async def one(i: int) -> None:
+                    proxy = proxies[i % len(proxies)]
+                    request = body(i, 1000, stream=i % 2 == 0)
+                    request["messages"][0]["content"] *= 10  # ~400 prompt tokens
+                    async with s.post(f"{proxy.url}/v1/chat/completions",
+                                      json=request) as resp:
+                        await resp.read()
+                        statuses.append(resp.status)
+                        if resp.status == 200:
+                            admitted.append(resp.headers["x-kvgate-reserved-tokens"])
+
+                # strict at first (1,000-token caps: ~1 request per backend), adaptive
+                # once each replica has seen 10 answers; ~3x what the pools can hold
+                async with asyncio.timeout(120):
+                    for wave in range(8):
+                        await asyncio.gather(*(one(wave * 30 + i) for i in range(30)))
+                preemptions = 0
+                for sim in sims:
+                    st = await sim_state(s, sim)
+                    preemptions += st["preemptions"]
+                    assert st["peak_blocks_used"] <= st["num_blocks"]
+                assert len(admitted) >= 60
+                assert set(statuses) <= {200, 429}
+                # adaptive leases really were smaller than prompt + 1,000
+                assert min(int(t) for t in admitted) < 1000
+                assert preemptions <= len(admitted) // 100
+                async with asyncio.timeout(10):
+                    while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
+                        await asyncio.sleep(0.05)
+                for p in proxies:
+                    async with s.get(f"{p.url}/admin/state") as resp:
+                        state = await resp.json()
+                    for backend in state["models"]["qwen3-14b"]["backends"].values():
+                        assert backend["leases"] == 0
+                        assert backend["inflight"] == 0
+
+        asyncio.run(scenario())
+    finally:
+        for p in procs:
+            p.kill()

@@ -62,6 +62,7 @@ async def running_stack(
             "queue": {"max_depth": 64, "default_deadline_s": 5.0, **(queue or {})},
             "models": [{
                 "name": MODEL, "path": str(MODELS / MODEL), "max_model_len": 8192,
+                "reservation": "strict",  # the tests of prompt + max_tokens; adaptive has its own
                 "deployment": {"kv_tokens": kv_tokens, "block_size": 16},
                 "backends": [{"name": f"sim-{i}", "url": u} for i, u in enumerate(urls)],
                 **(model or {}),
