@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +29,13 @@ from proxy.config import KvgateConfig, ModelConfig
 from proxy.engine_metrics import kv_capacity_tokens
 from proxy.errors import (
     ContextLengthExceeded,
+    InternalError,
     InvalidRequest,
     KvgateError,
     MaxTokensRequired,
+    MethodNotAllowed,
     ModelNotFound,
+    NotFound,
     RequestTooLarge,
     UpstreamError,
 )
@@ -134,32 +138,79 @@ class _Trace:
         return out
 
 
-_ENDED = frozenset({Outcome.COMPLETED, Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECT})
+_ENDED = frozenset({Outcome.COMPLETED, Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECT,
+                    InternalError.code})
+# Set by `error_middleware` for the task that serves the request, so the id in a 500's
+# message is the one `_infer` logs (a ContextVar: no request-storage key to declare).
+_REQUEST_ID: ContextVar[str | None] = ContextVar("kvgate_request_id", default=None)
 
 
-def _error_response(state: ProxyState, exc: KvgateError, trace: _Trace | None) -> web.Response:
+def _error_response(
+    state: ProxyState, exc: KvgateError, trace: _Trace | None, *, request_id: str | None = None
+) -> web.Response:
     """The one place a `KvgateError` becomes an HTTP answer."""
     headers = exc.headers()
+    if request_id is not None:
+        headers["x-kvgate-request-id"] = request_id
     if trace is not None:
         headers.update(trace.headers())
-        if isinstance(exc, UpstreamError):
-            trace.outcome = Outcome.UPSTREAM_ERROR  # admitted, then failed: not a rejection
-        else:
-            trace.outcome = exc.code
-            if trace.model in state.models:
-                state.metrics.rejected(trace.model, exc.code)
+        trace.outcome = exc.code
+        # an upstream or internal failure is not a rejection: `_infer` counts it as ended
+        if not isinstance(exc, UpstreamError | InternalError) and trace.model in state.models:
+            state.metrics.rejected(trace.model, exc.code)
     return web.json_response(exc.to_body(), status=exc.status, headers=headers)
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> KvgateError | None:
+    """aiohttp's router answers unknown paths and methods in plain text; say it in the
+    contract instead. Other HTTP exceptions pass through as aiohttp renders them."""
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(
+            f"method {request.method} is not allowed on {request.path}; allowed: "
+            f"{', '.join(sorted(exc.allowed_methods))}",
+            allowed=exc.allowed_methods,
+        )
+    if isinstance(exc, web.HTTPNotFound):
+        return NotFound(
+            f"no route {request.method} {request.path}; kvgate serves POST "
+            "/v1/chat/completions, POST /v1/completions and GET /v1/models",
+        )
+    return None
 
 
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Errors raised outside the inference path (no trace) get the same contract."""
+    """Every answer follows the error contract: errors raised outside the inference path
+    (no trace), unknown routes and methods, and, as the last resort, any exception
+    nothing mapped, which becomes `500 internal_error` naming the request id that the
+    log line with its traceback carries. A lease is never held here: `_serve` releases
+    in its `finally` before the exception arrives."""
+    request_id = uuid.uuid4().hex[:16]
+    _REQUEST_ID.set(request_id)
+    state = request.app[STATE_KEY]
     try:
         return await handler(request)
     except KvgateError as exc:
-        return _error_response(request.app[STATE_KEY], exc, None)
+        return _error_response(state, exc, None, request_id=request_id)
+    except web.HTTPException as exc:
+        mapped = _http_error(request, exc)
+        if mapped is None:
+            raise
+        return _error_response(state, mapped, None, request_id=request_id)
+    except ConnectionResetError:
+        # The client left (its write failed): no one to answer; `_serve` already
+        # counted the outcome. aiohttp drops this unsent response quietly.
+        return web.Response(status=499)
+    except Exception:
+        log.exception("request %s %s %s failed with an unexpected error", request_id,
+                      request.method, request.path)
+        error = InternalError(
+            f"kvgate failed on this request with an internal error (request id "
+            f"{request_id}); it is logged with its cause"
+        )
+        return _error_response(state, error, None, request_id=request_id)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -264,12 +315,17 @@ def _demand(
 
 async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    trace = _Trace(request_id=uuid.uuid4().hex[:16])
+    trace = _Trace(request_id=_REQUEST_ID.get() or uuid.uuid4().hex[:16])
     started = time.perf_counter()
     try:
         return await _serve(request, endpoint, state, trace)
     except KvgateError as exc:
         return _error_response(state, exc, trace)
+    except ConnectionResetError:
+        raise  # the client left; `_serve` set the outcome
+    except Exception:
+        trace.outcome = InternalError.code  # answered by `error_middleware`
+        raise
     finally:
         if trace.model in state.models and trace.outcome in _ENDED:
             state.metrics.finished(trace.model, trace.outcome)
@@ -318,7 +374,7 @@ async def _serve(
                                waited_s=trace.queue_wait_ms / 1000)
         body = raw
         if set_to is not None:
-            body = json.dumps({**req.body, req.max_tokens_field: set_to}).encode()
+            body = req.with_max_tokens(set_to)
         path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/completions"
         result = ForwardResult()
         assert state.session is not None

@@ -7,6 +7,7 @@ never hold capacity or reach a backend. Messages name the field and the value.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -15,9 +16,18 @@ from typing import Any
 from proxy.errors import InvalidRequest
 from proxy.tokenize import ChatRequest
 
-__all__ = ["Endpoint", "ValidRequest", "parse_chat_file", "validate"]
+__all__ = ["MAX_JSON_DEPTH", "Endpoint", "ValidRequest", "parse_body", "parse_chat_file",
+           "validate"]
 
 _ROLES_NEED_CONTENT = {"system", "user", "developer"}
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects kvgate accepts. Real requests stay far below
+(a tool schema with nested objects reaches about 10); deeper input is a 400, never a
+RecursionError in the parser, the chat template or the re-serialisation."""
+
+# A \uD800-\uDFFF escape: only then can a string hold a surrogate (paired ones are fine).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class Endpoint(StrEnum):
@@ -38,6 +48,17 @@ class ValidRequest:
     chat: ChatRequest | None
     prompts: tuple[str | tuple[int, ...], ...]
     body: Mapping[str, Any]
+
+    def with_max_tokens(self, max_tokens: int) -> bytes:
+        """The body to forward with the output capped at `max_tokens`. Every cap field the
+        client gave is rewritten (a chat body may hold both `max_tokens` and
+        `max_completion_tokens`, and an engine honours either), else `max_tokens_field`."""
+        present = [f for f in _MAX_TOKENS_FIELDS if self.body.get(f) is not None]
+        fields = dict.fromkeys(present or [self.max_tokens_field], max_tokens)
+        return json.dumps({**self.body, **fields}).encode()
+
+
+_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 def _fail(message: str, param: str) -> InvalidRequest:
@@ -153,12 +174,102 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
     )
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _decode(raw: bytes) -> tuple[str, bool]:
+    """-> (text, may hold surrogates). JSON on the wire is UTF-8 (RFC 8259, section 8.1),
+    and the backend gets these same bytes. CESU-8 style encoded surrogates decode here so
+    the check below can name the field."""
+    encoding = json.detect_encoding(raw)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise _fail(f"request body must be UTF-8 encoded JSON; it looks like {encoding}",
+                    "body")
+    try:
+        return raw.decode(encoding), False
+    except UnicodeDecodeError:
+        try:
+            return raw.decode(encoding, "surrogatepass"), True
+        except UnicodeDecodeError as exc:
+            raise _fail(f"request body is not valid {encoding.upper()}: {exc}", "body") from exc
+
+
+def _path(parent: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else key
+
+
+def _check_tree(body: Any, *, strings: bool) -> None:
+    """Depth and encodability, without recursion (the point is that deep input is cheap).
+
+    Lone UTF-16 surrogates (`"\\ud800"`, or CESU-8 bytes) parse as Python strings but are
+    not Unicode text: no tokenizer can encode them (vLLM's fails on them too), and they
+    cannot be written back as UTF-8 to the backend. Such a field is a 400 naming it.
+    """
+    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _fail(
+                f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels "
+                f"(at `{where[:80]}`)", "body",
+            )
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:
+            if strings and isinstance(key, str) and not _encodable(key):
+                raise _surrogate(_path(where, "<key>"), key)
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1, _path(where, key)))
+            elif strings and isinstance(child, str) and not _encodable(child):
+                raise _surrogate(_path(where, key), child)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _surrogate(where: str, text: str) -> InvalidRequest:
+    bad = next(c for c in text if 0xD800 <= ord(c) <= 0xDFFF)
+    return _fail(
+        f"`{where}` contains a lone UTF-16 surrogate (U+{ord(bad):04X}), which is not "
+        "Unicode text: no tokenizer can encode it (vLLM's rejects it too). Encode the text "
+        "as UTF-8, or escape a character outside the BMP as a surrogate pair",
+        where,
+    )
+
+
+def parse_body(raw: bytes) -> Any:
+    """JSON as kvgate accepts it: UTF-8 text, no NaN/Infinity, at most `MAX_JSON_DEPTH`
+    levels deep, every string encodable. Any other input is `InvalidRequest`, never an
+    exception the server did not expect (a RecursionError, a 4300-digit integer)."""
+    text, decoded_surrogates = _decode(raw)
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError as exc:
+        raise _fail(
+            f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+            "body",
+        ) from exc
+    except ValueError as exc:  # JSONDecodeError, NaN, integers over the digit limit
+        raise _fail(f"request body is not valid JSON: {exc}", "body") from exc
+    may_nest = text.count("[") + text.count("{") > MAX_JSON_DEPTH
+    strings = decoded_surrogates or _SURROGATE_ESCAPE.search(text) is not None
+    if isinstance(body, dict | list) and (may_nest or strings):
+        _check_tree(body, strings=strings)
+    elif isinstance(body, str) and not _encodable(body):
+        raise _surrogate("body", body)
+    return body
+
+
 def validate(raw: bytes, endpoint: Endpoint) -> ValidRequest:
     """Parse a body; raise `InvalidRequest` naming the first bad field."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _fail(f"request body is not valid JSON: {exc}", "body") from exc
+    body = parse_body(raw)
     if not isinstance(body, dict):
         raise _fail("request body must be a JSON object", "body")
     model = body.get("model")
