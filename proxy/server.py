@@ -271,9 +271,16 @@ async def _count(model: ModelRuntime, req: ValidRequest) -> list[int]:
     try:
         if req.chat is not None:
             return [await model.counter.count_chat_async(req.chat)]
-        return [await model.counter.count_prompt_async(p) for p in req.prompts]
+        counts = [await model.counter.count_prompt_async(p) for p in req.prompts]
     except TemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
+    for i, tokens in enumerate(counts):
+        if tokens == 0:  # vLLM refuses an empty decoder prompt; it must not reach it
+            where = "prompt" if len(counts) == 1 else f"prompt[{i}]"
+            raise InvalidRequest(
+                f"`{where}` is empty: 0 tokens after tokenization, and an engine cannot "
+                "generate from an empty prompt", param=where)
+    return counts
 
 
 def _demand(

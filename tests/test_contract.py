@@ -343,3 +343,21 @@ def test_readme_error_table_lists_every_code() -> None:
         row = next((line for line in table.splitlines() if f"`{code}`" in line), None)
         assert row is not None, code
         assert row.startswith(f"| {cls.status} |"), row
+
+
+@pytest.mark.parametrize(("prompt", "param"), [("", "prompt"), (["a", ""], "prompt[1]")])
+def test_empty_completion_prompt_is_400_and_never_reaches_the_backend(
+    prompt: Any, param: str
+) -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1) as stack, aiohttp.ClientSession() as s:
+            body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4}).encode()
+            status, headers, data = await post(s, stack.url + PATHS[1], body)
+            assert status == 400, data
+            error = assert_shaped(data, 400, "invalid_request")
+            assert error["param"] == param and "0 tokens" in error["message"]
+            assert headers["x-should-retry"] == "false"
+            assert (await stack.sim_state(s, 0))["finished"] == 0
+            assert stack.resident() == {"sim-0": 0}
+
+    asyncio.run(scenario())
