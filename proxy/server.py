@@ -206,6 +206,8 @@ async def error_middleware(
     except Exception:
         log.exception("request %s %s %s failed with an unexpected error", request_id,
                       request.method, request.path)
+        if request.writer.output_size > 0:
+            raise  # the answer began: aiohttp cuts the connection; never a second answer
         error = InternalError(
             f"kvgate failed on this request with an internal error (request id "
             f"{request_id}); it is logged with its cause"

@@ -220,6 +220,34 @@ def test_unexpected_exception_is_500_internal_error_and_releases(
     asyncio.run(scenario())
 
 
+def test_unexpected_exception_after_streaming_began_cuts_the_stream_and_releases(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def half_forward(*, request: web.Request, **kwargs: Any) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": []}\n\n')
+        raise RuntimeError("a defect mid-stream")
+
+    monkeypatch.setattr(server_module, "forward", half_forward)
+    caplog.set_level(logging.CRITICAL, logger="aiohttp")
+
+    async def scenario() -> None:
+        async with running_stack(backends=1) as stack, aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": MSGS, "max_tokens": 50, "stream": True}
+            with caplog.at_level(logging.ERROR, logger="kvgate.request"):
+                async with s.post(stack.url + PATHS[0], json=body) as resp:
+                    assert resp.status == 200
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        await resp.read()  # cut, not a second response glued on
+            await settle(stack)
+            assert stack.resident() == {"sim-0": 0}
+            assert any("unexpected error" in r.getMessage() and r.exc_info
+                       for r in caplog.records if r.name == "kvgate.request")
+
+    asyncio.run(scenario())
+
+
 def test_cap_rewrites_both_max_tokens_fields_when_both_are_given() -> None:
     seen: list[dict[str, Any]] = []
 
