@@ -22,6 +22,7 @@ import pytest
 from proxy.stack import stop_process, wait_port
 from tests.support.redis_server import free_port
 from tests.support.reference import hf_count, hf_tokenizer
+from tests.test_deploy import free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT / "models" / "qwen3-14b"
@@ -39,7 +40,8 @@ class Installed:
 
     def env(self) -> dict[str, str]:
         """What a user's shell would have: no PYTHONPATH, no checkout on any path."""
-        return {"PATH": f"{self.venv / 'bin'}:/usr/bin:/bin", "HOME": str(self.home),
+        return {"PATH": f"{self.venv / 'bin'}:/usr/local/bin:/usr/bin:/bin:/usr/sbin",
+                "HOME": str(self.home),
                 "LANG": "C.UTF-8"}
 
     def run(self, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -178,6 +180,22 @@ def test_installed_demo_answers_a_chat_completion_with_exact_counts(
     # prompt + 8 output tokens, rounded up to 16-token blocks
     assert headers["x-kvgate-reserved-tokens"] == str(-(-(expected_prompt_tokens + 8) // 16) * 16)
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_installed_local_stack_serves_through_nginx(
+    installed: Installed, workdir: Path, spawn: Any, expected_prompt_tokens: int
+) -> None:
+    """Redis, two sims, two replicas and nginx from the installed package (model and nginx
+    template are package data), started from a directory with nothing of kvgate in it."""
+    base = free_base_port()
+    spawn(["local-stack", "--base-port", str(base), "--workdir", str(workdir / "stack"),
+           "--kv-tokens", "2048", "--decode-step-ms", "1"], base)
+    status, headers, body = _post(f"http://127.0.0.1:{base}/v1/chat/completions", CHAT)
+    assert status == 200
+    assert body["usage"]["prompt_tokens"] == expected_prompt_tokens
+    assert headers["x-kvgate-prompt-tokens"] == str(expected_prompt_tokens)
+    config = (workdir / "stack" / "kvgate-1.toml").read_text()
+    assert str(installed.venv) in config and str(ROOT) not in config
 
 
 def test_image_layout_sim_config_passes_check_config(installed: Installed, workdir: Path) -> None:
