@@ -4,6 +4,7 @@
     ├── InvalidRequest            400 invalid_request
     ├── ContextLengthExceeded     400 context_length_exceeded
     ├── MaxTokensRequired         400 max_tokens_required
+    ├── Unauthorized              401 unauthorized
     ├── ModelNotFound             404 model_not_found
     ├── NotFound                  404 not_found
     ├── MethodNotAllowed          405 method_not_allowed
@@ -45,6 +46,7 @@ __all__ = [
     "QueueFull",
     "QueueTimeout",
     "RequestTooLarge",
+    "Unauthorized",
     "UpstreamError",
 ]
 
@@ -126,6 +128,14 @@ class MaxTokensRequired(KvgateError):
     status = 400
     code = "max_tokens_required"
     type = "invalid_request_error"
+
+
+class Unauthorized(KvgateError):
+    """An admin route without the configured `server.admin_token`."""
+
+    status = 401
+    code = "unauthorized"
+    type = "authentication_error"
 
 
 class ModelNotFound(KvgateError):
@@ -227,6 +237,7 @@ ERROR_TABLE: dict[str, type[KvgateError]] = {
         InvalidRequest,
         ContextLengthExceeded,
         MaxTokensRequired,
+        Unauthorized,
         ModelNotFound,
         NotFound,
         MethodNotAllowed,

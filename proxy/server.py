@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from proxy.errors import (
     ModelNotFound,
     NotFound,
     RequestTooLarge,
+    Unauthorized,
     UpstreamError,
 )
 from proxy.forward import ForwardResult, forward, make_session
@@ -455,11 +457,9 @@ async def _admin_state(request: web.Request) -> web.Response:
     token = state.config.server.admin_token
     if token is not None:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if given != token:
-            return web.json_response({"error": {"message": "admin token required",
-                                                "type": "authentication_error",
-                                                "code": "unauthorized", "param": None}},
-                                     status=401)
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise Unauthorized(f"{request.path} needs `Authorization: Bearer <admin token>`",
+                               param="Authorization")
     now = asyncio.get_running_loop().time()
     out: dict[str, Any] = {"ledger": {"kind": state.config.ledger.kind,
                                       "available": state.ledger.available}, "models": {}}

@@ -389,3 +389,22 @@ def test_empty_completion_prompt_is_400_and_never_reaches_the_backend(
             assert stack.resident() == {"sim-0": 0}
 
     asyncio.run(scenario())
+
+
+def test_admin_state_needs_the_admin_token_when_one_is_set() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, server={"admin_token": "s3cret"}) as stack, \
+                aiohttp.ClientSession() as s:
+            for auth in (None, "Bearer wrong", "Bearer s3cre", "s3cret!"):
+                headers = {"Authorization": auth} if auth else {}
+                async with s.get(f"{stack.url}/admin/state", headers=headers) as resp:
+                    assert resp.status == 401
+                    assert resp.headers["x-should-retry"] == "false"
+                    error = assert_shaped(await resp.json(), 401, "unauthorized")
+                    assert error["type"] == "authentication_error"
+            async with s.get(f"{stack.url}/admin/state",
+                             headers={"Authorization": "Bearer s3cret"}) as resp:
+                assert resp.status == 200
+                assert "sim-0" in (await resp.json())["models"][MODEL]["backends"]
+
+    asyncio.run(scenario())
