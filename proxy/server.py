@@ -180,6 +180,11 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> KvgateError | N
     return None
 
 
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -201,11 +206,10 @@ async def error_middleware(
         if mapped is None:
             raise
         return _error_response(state, mapped, None, request_id=request_id)
-    except ConnectionResetError:
-        # The client left (its write failed): no one to answer; `_serve` already
-        # counted the outcome. aiohttp drops this unsent response quietly.
-        return web.Response(status=499)
-    except Exception:
+    except Exception as exc:
+        if isinstance(exc, ConnectionResetError) and _client_gone(request):
+            # No one to answer; `_serve` counted the outcome. aiohttp drops this quietly.
+            return web.Response(status=499)
         log.exception("request %s %s %s failed with an unexpected error", request_id,
                       request.method, request.path)
         if request.writer.output_size > 0:
