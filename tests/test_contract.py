@@ -408,3 +408,26 @@ def test_admin_state_needs_the_admin_token_when_one_is_set() -> None:
                 assert "sim-0" in (await resp.json())["models"][MODEL]["backends"]
 
     asyncio.run(scenario())
+
+
+def _alternating(depth: int) -> str:
+    """`[{"k": [{"k": ...}]}]`: arrays and objects alternate, `depth` levels in all."""
+    text = "1"
+    for level in range(depth):
+        text = "[" + text + "]" if level % 2 == 0 else '{"k": ' + text + "}"
+    return text
+
+
+@pytest.mark.parametrize(("depth", "ok"), [(MAX_JSON_DEPTH, True), (MAX_JSON_DEPTH + 1, False)])
+def test_parse_body_depth_limit_is_exact_for_mixed_nesting(depth: int, ok: bool) -> None:
+    from proxy.errors import InvalidRequest
+    from proxy.validation import parse_body
+
+    # brackets inside strings (escaped quotes too) are text, not nesting
+    noise = json.dumps({"s": '[{"\\"' * 500, "t": "]" * 500})
+    raw = ('{"noise": ' + noise + ', "x": ' + _alternating(depth - 1) + "}").encode()
+    if ok:
+        assert parse_body(raw)["noise"] == json.loads(noise)
+    else:
+        with pytest.raises(InvalidRequest, match=f"deeper than {MAX_JSON_DEPTH} levels"):
+            parse_body(raw)
