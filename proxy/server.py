@@ -263,7 +263,8 @@ def _tenant(request: web.Request, state: ProxyState) -> str:
     if tenant:
         return tenant[:64]
     auth = request.headers.get("Authorization", "")
-    return hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else ""
+    # surrogateescape: aiohttp decodes header bytes that are not UTF-8 (obs-text) so
+    return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:12] if auth else ""
 
 
 def _priority(request: web.Request, state: ProxyState) -> str:
@@ -461,7 +462,7 @@ async def _admin_state(request: web.Request) -> web.Response:
     token = state.config.server.admin_token
     if token is not None:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
             raise Unauthorized(f"{request.path} needs `Authorization: Bearer <admin token>`",
                                param="Authorization")
     now = asyncio.get_running_loop().time()

@@ -431,3 +431,24 @@ def test_parse_body_depth_limit_is_exact_for_mixed_nesting(depth: int, ok: bool)
     else:
         with pytest.raises(InvalidRequest, match=f"deeper than {MAX_JSON_DEPTH} levels"):
             parse_body(raw)
+
+
+def test_header_values_that_are_not_utf8_are_served() -> None:
+    """HTTP allows obs-text (0x80-0xFF) in a field value; aiohttp hands such bytes over
+    surrogate-escaped. Hashing the Authorization for the tenant must not fail on them."""
+    async def scenario() -> None:
+        async with running_stack(backends=1) as stack:
+            port = int(stack.url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 3}).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nConnection: close\r\n"
+                         b"Authorization: Bearer caf\xe9\xff\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+            answer = await reader.read()
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+            await settle(stack)
+
+    asyncio.run(scenario())
