@@ -226,7 +226,10 @@ def requests(draw: st.DrawFn) -> tuple[str, str, bytes, dict[str, bytes]]:
     if kind == "route":
         method = draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "POST"]))
         path = draw(st.sampled_from([CHAT, COMPLETIONS, "/v1/models", "/v1/nope", "/",
-                                     "/v1/embeddings", "/admin/state", "/metrics"]))
+                                     "/v1/embeddings", "/admin/state", "/metrics"])
+                    | st.lists(st.sampled_from(["v1", "chat", "..", "%ff", "%ED%A0%80",
+                                                "caf%C3%A9", "", "x?y=%fe"]), max_size=4)
+                    .map(lambda parts: "/" + "/".join(parts)))
         if method == "POST" and path in (CHAT, COMPLETIONS):
             method = "GET"
         raw = draw(st.binary(max_size=32))
@@ -285,6 +288,7 @@ def test_fuzz_every_answer_follows_the_contract(
             "/v1/models", "/admin/state", "/metrics") and status < 400):
         return
     data = json.loads(body)
+    json.dumps(data, ensure_ascii=False).encode("utf-8")  # Unicode text, no lone surrogate
     assert set(data) == {"error"}, data
     error = data["error"]
     assert set(error) == {"message", "type", "code", "param"}, data
