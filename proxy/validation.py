@@ -7,6 +7,7 @@ never hold capacity or reach a backend. Messages name the field and the value.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -181,6 +182,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite_float(text: str) -> float:
+    """`1e400` is valid JSON text but overflows to inf, which re-serialises as `Infinity`
+    (not JSON) when the body is rewritten, and means nothing to a sampler anyway."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of the range of a double")
+    return value
+
+
 def _decode(raw: bytes) -> tuple[str, bool]:
     """-> (text, may hold surrogates). JSON on the wire is UTF-8 (RFC 8259, section 8.1),
     and the backend gets these same bytes. CESU-8 style encoded surrogates decode here so
@@ -255,18 +265,18 @@ def _surrogate(where: str, text: str) -> InvalidRequest:
 
 
 def parse_body(raw: bytes) -> Any:
-    """JSON as kvgate accepts it: UTF-8 text, no NaN/Infinity, at most `MAX_JSON_DEPTH`
+    """JSON as kvgate accepts it: UTF-8 text, finite numbers only, at most `MAX_JSON_DEPTH`
     levels deep, every string encodable. Any other input is `InvalidRequest`, never an
     exception the server did not expect (a RecursionError, a 4300-digit integer)."""
     text, decoded_surrogates = _decode(raw)
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError as exc:
         raise _fail(
             f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
             "body",
         ) from exc
-    except ValueError as exc:  # JSONDecodeError, NaN, integers over the digit limit
+    except ValueError as exc:  # JSONDecodeError, NaN, 1e400, integers over the digit limit
         raise _fail(f"request body is not valid JSON: {exc}", "body") from exc
     if _too_deep(text):
         raise _fail(

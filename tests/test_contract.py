@@ -136,6 +136,7 @@ def test_lone_surrogates_are_400_naming_the_field(raw: bytes, param: str) -> Non
     [
         (b'{"model": "%s", "messages": [], "max_tokens": NaN}', "NaN"),
         (b'{"model": "%s", "messages": [], "temperature": Infinity}', "Infinity"),
+        (b'{"model": "%s", "messages": [], "temperature": 1e400}', "out of the range"),
         (b'{"model": "%s", "max_tokens": 1' + b"0" * 5000 + b"}", "digits"),
         ('{"model": "%s"}'.encode("utf-16"), "UTF-8"),
         (b"\xff\xfe\xfa", "UTF-8"),

@@ -11,6 +11,7 @@ import asyncio
 import gzip
 import http.client
 import json
+import math
 import os
 import threading
 from collections.abc import Coroutine, Iterator
@@ -35,6 +36,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 class Tap:
     """The backend: counts what arrives and records anything a real engine would refuse."""
 
+    cap_tokens: int = 8192  # the output cap kvgate's policy must have enforced
     seen: int = 0
     invalid: list[str] = field(default_factory=list)
 
@@ -54,7 +56,9 @@ class Tap:
             raise ValueError(name)
 
         try:
-            body = json.loads(raw.decode("utf-8"), parse_constant=no_constants)
+            body = json.loads(raw.decode("utf-8"), parse_constant=no_constants,
+                              parse_float=lambda t: no_constants(t) if not math.isfinite(
+                                  float(t)) else float(t))
             json.dumps(body, ensure_ascii=False).encode("utf-8")  # no lone surrogates
         except (ValueError, RecursionError) as exc:
             bad(f"not strict UTF-8 JSON ({exc})")
@@ -64,7 +68,8 @@ class Tap:
             return
         for key in ("max_tokens", "max_completion_tokens", "n"):
             value = body.get(key)
-            if value is not None and (type(value) is not int or not 1 <= value <= 8192):
+            limit = 8192 if key == "n" else self.cap_tokens
+            if value is not None and (type(value) is not int or not 1 <= value <= limit):
                 bad(f"{key}={value!r}")
         if not isinstance(body.get("stream", False), bool):
             bad("stream")
@@ -124,16 +129,23 @@ class Fuzzed:
     statuses: dict[int, int] = field(default_factory=dict)
 
 
-@pytest.fixture(scope="module")
-def fuzzed() -> Iterator[Fuzzed]:
+CAP_TOKENS = 20
+
+
+@pytest.fixture(scope="module", params=["fill", "cap"])
+def fuzzed(request: pytest.FixtureRequest) -> Iterator[Fuzzed]:
+    """Policy `cap` rewrites (re-serialises) bodies; `fill` forwards them byte for byte."""
     loop = LoopThread()
-    tap = Tap()
+    cap = request.param == "cap"
+    tap = Tap(cap_tokens=CAP_TOKENS if cap else 8192)
+    model = {"output_policy": "cap", "output_cap_tokens": CAP_TOKENS} if cap else {}
     runner = web.AppRunner(tap_app(tap), access_log=None)
     loop.run(runner.setup())
     loop.run(web.TCPSite(runner, "127.0.0.1", 0).start())
     cm = running_stack(backends=0, kv_tokens=4096,
                        extra_backend_urls=[f"http://127.0.0.1:{bound_port(runner)}"],
-                       server={"body_limit": "256KiB"}, queue={"default_deadline_s": 1.0})
+                       server={"body_limit": "256KiB"}, queue={"default_deadline_s": 1.0},
+                       model=model)
     stack = loop.run(cm.__aenter__())
     try:
         yield Fuzzed(stack=stack, tap=tap, port=int(stack.url.rsplit(":", 1)[1]), loop=loop)
@@ -206,7 +218,9 @@ def bodies(draw: st.DrawFn, path: str) -> bytes:
     elif damage == "cesu8":
         raw = raw.replace(b'"hi"', b'"h\xed\xa0\x80i"')
     elif damage == "nan":
-        raw = raw[:-1] + b', "temperature": NaN}'
+        raw = raw[:-1] + draw(st.sampled_from([b', "temperature": NaN}',
+                                               b', "temperature": 1e400}',
+                                               b', "top_p": -1E+999}']))
     elif damage == "top":
         raw = _json_bytes(draw(json_values))
     elif damage == "hugeint":
