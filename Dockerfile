@@ -1,4 +1,12 @@
-# kvgate: the proxy, the simulated backend and the bundled tokenizers in one slim image.
+# kvgate: the proxy, the simulated backend and the bundled tokenizer in one slim image.
+# Stage 1 builds the wheel; stage 2 installs exactly that wheel, as users install kvgate.
+FROM python:3.12-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md LICENSE ./
+COPY proxy ./proxy
+COPY policies ./policies
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
 FROM python:3.12-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -6,14 +14,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY proxy ./proxy
-COPY policies ./policies
-COPY models ./models
+COPY --from=build /wheels /wheels
+# /app/models/qwen3-14b is the installed package's bundled model, so the configs in
+# /app/deploy resolve their paths (../models/qwen3-14b) as they do in the repo.
+RUN pip install --no-compile /wheels/kvgate-*.whl \
+    && rm -rf /wheels \
+    && mkdir -p /app/models \
+    && ln -s "$(python -m proxy.bundled)" /app/models/qwen3-14b \
+    && useradd --system --uid 10001 --home-dir /app --shell /usr/sbin/nologin kvgate
 COPY deploy ./deploy
-RUN pip install --no-compile . \
-    && useradd --system --uid 10001 --home-dir /app --shell /usr/sbin/nologin kvgate \
-    && chown -R kvgate /app
 
 USER kvgate
 EXPOSE 8080

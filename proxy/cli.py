@@ -233,8 +233,14 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         median_output_tokens=args.median_output_tokens,
         seed=args.seed,
     )
+    if args.model_dir is None:
+        from proxy.bundled import bundled_model_dir
+
+        model_dir = str(bundled_model_dir())  # exact usage with no files of one's own
+    else:
+        model_dir = args.model_dir
     settings = SimSettings(
-        engine=engine, model=args.model, model_dir=args.model_dir,
+        engine=engine, model=args.model, model_dir=model_dir,
         max_model_len=args.max_model_len,
     )
     run_sim(settings, args.host, args.port)
@@ -254,7 +260,8 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--output-len", choices=["lognormal", "max"], default="lognormal")
     p.add_argument("--median-output-tokens", type=int, default=64)
     p.add_argument("--model", default="sim-model", help="served model name")
-    p.add_argument("--model-dir", help="tokenizer directory for exact prompt_tokens")
+    p.add_argument("--model-dir", help="tokenizer directory for exact prompt_tokens "
+                   "(default: the bundled Qwen3 tokenizer and chat template)")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sim)

@@ -184,13 +184,17 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ConfigError(f"`server.listen` must be HOST:PORT. Given: {listen!r}")
     token = data.get("admin_token")
-    if token is not None and not isinstance(token, str):
-        raise ConfigError("`server.admin_token` must be a string")
+    if token is not None and not (isinstance(token, str) and token):
+        # "" must not read as "no token": that would turn the admin auth off unnoticed
+        raise ConfigError(
+            f"`server.admin_token` must be a non-empty string (leave it out for no "
+            f"token). Given: {token!r}"
+        )
     return ServerConfig(
         host=host.strip("[]") or "127.0.0.1",
         port=int(port_text),
         body_limit_bytes=_bytes(data, "body_limit", w) if "body_limit" in data else 4 * 2**20,
-        admin_token=token or None,
+        admin_token=token,
         health_interval_s=_num(data, "health_interval_s", w, 2.0, minimum=0.05),
         upstream_connect_timeout_s=_num(data, "upstream_connect_timeout_s", w, 5.0, minimum=0.1),
         upstream_read_timeout_s=_num(data, "upstream_read_timeout_s", w, 600.0, minimum=0.1),
@@ -347,15 +351,24 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         raise ConfigError(f"`{w}path` {str(path)!r} is not a directory")
     policy_name = _str(data, "output_policy", w, "fill")
     try:
-        output = OutputPolicy(
-            name=OutputPolicyName(policy_name),
-            cap_tokens=data.get("output_cap_tokens"),
-        )
+        policy = OutputPolicyName(policy_name)
     except ValueError as exc:
         raise ConfigError(
             f"`{w}output_policy`: {exc}; expected one of "
             f"{sorted(p.value for p in OutputPolicyName)}"
         ) from exc
+    cap_tokens: int | None = None
+    if policy is OutputPolicyName.CAP:
+        if "output_cap_tokens" not in data:
+            raise ConfigError(f"`{w}output_policy` `cap` needs `{w}output_cap_tokens` >= 1")
+        cap_tokens = _int(data, "output_cap_tokens", w, None, minimum=1)
+    elif "output_cap_tokens" in data:
+        # silently ignored, it would look like a cap that is not applied
+        raise ConfigError(
+            f"`{w}output_cap_tokens` applies only to `output_policy = \"cap\"`; this model's "
+            f"policy is {policy.value!r}"
+        )
+    output = OutputPolicy(name=policy, cap_tokens=cap_tokens)
     placement_name = _str(data, "placement", w, "best-fit")
     try:
         placement = PlacementName(placement_name)
@@ -393,10 +406,11 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         url = _str(b, "url", bw)
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"`{bw}url` must start with http:// or https://. Given: {url!r}")
-        key = b.get("api_key")
+        # Anything but a non-empty string is refused: dropping it silently would send
+        # the client's own Authorization upstream instead of the backend's key.
+        key = _str(b, "api_key", bw) if "api_key" in b else None
         backends.append(BackendConfig(
-            name=_str(b, "name", bw, f"{name}-{j}"), url=url,
-            api_key=key if isinstance(key, str) and key else None,
+            name=_str(b, "name", bw, f"{name}-{j}"), url=url, api_key=key,
         ))
     names = [b.name for b in backends]
     if len(set(names)) != len(names):

@@ -10,15 +10,15 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from proxy.bundled import BUNDLED_MODEL_NAME, bundled_model_dir
 from proxy.config import parse_config
 from proxy.server import start_proxy
 from proxy.sim.engine import EngineConfig
 from proxy.sim.server import SimSettings, bound_port, start_sim
 
-__all__ = ["BUNDLED_MODEL", "demo_config", "run_demo"]
+__all__ = ["demo_config", "run_demo"]
 
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "qwen3-14b"
-MODEL_NAME = "qwen3-14b"
+MODEL_NAME = BUNDLED_MODEL_NAME
 
 
 def demo_config(port: int, backend_urls: list[str], kv_tokens: int) -> dict[str, Any]:
@@ -28,7 +28,7 @@ def demo_config(port: int, backend_urls: list[str], kv_tokens: int) -> dict[str,
                   "ordering": "fifo"},
         "models": [{
             "name": MODEL_NAME,
-            "path": str(BUNDLED_MODEL),
+            "path": str(bundled_model_dir()),
             "max_model_len": 8192,
             "output_policy": "fill",
             "deployment": {"kv_tokens": kv_tokens, "block_size": 16},
@@ -44,7 +44,7 @@ async def run_demo(*, port: int, kv_tokens: int) -> None:
         settings = SimSettings(
             engine=EngineConfig(kv_tokens=kv_tokens, decode_step_ms=20.0, per_seq_ms=0.2,
                                 prefill_tokens_per_s=20000.0, seed=i),
-            model=MODEL_NAME, model_dir=str(BUNDLED_MODEL), max_model_len=8192,
+            model=MODEL_NAME, model_dir=str(bundled_model_dir()), max_model_len=8192,
         )
         sims.append(await start_sim(settings, "127.0.0.1", 0))
     urls = [f"http://127.0.0.1:{bound_port(r)}" for r in sims]

@@ -4,18 +4,23 @@
     ├── InvalidRequest            400 invalid_request
     ├── ContextLengthExceeded     400 context_length_exceeded
     ├── MaxTokensRequired         400 max_tokens_required
+    ├── Unauthorized              401 unauthorized
     ├── ModelNotFound             404 model_not_found
+    ├── NotFound                  404 not_found
+    ├── MethodNotAllowed          405 method_not_allowed
     ├── RequestTooLarge           413 request_too_large
     ├── QueueFull                 429 queue_full
     ├── QueueTimeout              429 queue_timeout
     ├── NoBackend                 503 no_backend
     ├── LedgerUnavailable         503 ledger_unavailable
-    └── UpstreamError             502 upstream_error
+    ├── UpstreamError             502 upstream_error
+    └── InternalError             500 internal_error
 
 Bodies are OpenAI-shaped (`{"error": {"message", "type", "code", "param"}}`) so the
 official SDKs raise their matching exception with our code and message. Errors a
 retry can cure carry `Retry-After` and `retry-after-ms` (both SDKs honour them);
-the others carry `x-should-retry: false`. After the first streamed byte the same
+the others carry `x-should-retry: false` (a 500 too: it is a defect kvgate answers the
+same way again, not an overload). After the first streamed byte the same
 body travels as an SSE `error` event (`sse_event`).
 """
 
@@ -23,20 +28,25 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from typing import ClassVar
 
 __all__ = [
     "ERROR_TABLE",
     "ContextLengthExceeded",
+    "InternalError",
     "InvalidRequest",
     "KvgateError",
     "LedgerUnavailable",
     "MaxTokensRequired",
+    "MethodNotAllowed",
     "ModelNotFound",
     "NoBackend",
+    "NotFound",
     "QueueFull",
     "QueueTimeout",
     "RequestTooLarge",
+    "Unauthorized",
     "UpstreamError",
 ]
 
@@ -120,12 +130,43 @@ class MaxTokensRequired(KvgateError):
     type = "invalid_request_error"
 
 
+class Unauthorized(KvgateError):
+    """An admin route without the configured `server.admin_token`."""
+
+    status = 401
+    code = "unauthorized"
+    type = "authentication_error"
+
+
 class ModelNotFound(KvgateError):
     """The model is not served here; the message lists the served models."""
 
     status = 404
     code = "model_not_found"
     type = "invalid_request_error"
+
+
+class NotFound(KvgateError):
+    """No route at this path (the OpenAI-compatible routes are under /v1)."""
+
+    status = 404
+    code = "not_found"
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(KvgateError):
+    """The path exists, the method does not; `Allow` lists the ones that do."""
+
+    status = 405
+    code = "method_not_allowed"
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, *, allowed: Iterable[str]) -> None:
+        super().__init__(message)
+        self.allowed = tuple(sorted(allowed))
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "Allow": ", ".join(self.allowed)}
 
 
 class RequestTooLarge(KvgateError):
@@ -181,18 +222,31 @@ class UpstreamError(KvgateError):
     retryable = True
 
 
+class InternalError(KvgateError):
+    """A defect: an exception nothing else mapped. The message gives the request id that
+    the log line with the traceback carries; any reservation was released."""
+
+    status = 500
+    code = "internal_error"
+    type = "server_error"
+
+
 ERROR_TABLE: dict[str, type[KvgateError]] = {
     cls.code: cls
     for cls in (
         InvalidRequest,
         ContextLengthExceeded,
         MaxTokensRequired,
+        Unauthorized,
         ModelNotFound,
+        NotFound,
+        MethodNotAllowed,
         RequestTooLarge,
         QueueFull,
         QueueTimeout,
         NoBackend,
         LedgerUnavailable,
         UpstreamError,
+        InternalError,
     )
 }

@@ -18,8 +18,10 @@ from multidict import CIMultiDict
 
 from proxy.errors import UpstreamError
 
-__all__ = ["ForwardResult", "forward", "make_session", "map_upstream_errors"]
+__all__ = ["ClientDisconnected", "ForwardResult", "forward", "make_session",
+           "map_upstream_errors"]
 
+_BODY_HEADERS = frozenset({"content-type", "content-encoding"})
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
@@ -45,6 +47,19 @@ def map_upstream_errors(backend: str) -> Iterator[None]:
         raise UpstreamError(f"backend {backend!r} failed: {exc}") from exc
 
 
+class ClientDisconnected(ConnectionResetError):
+    """Writing to the client failed: it left. aiohttp raises `ClientConnectionResetError`
+    for this, which is also an `aiohttp.ClientError`, the family upstream failures belong
+    to; re-raised as this plain `ConnectionResetError` it cannot be taken for one."""
+
+
+async def _to_client(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionResetError as exc:
+        raise ClientDisconnected(f"the client left: {exc}") from exc
+
+
 def _request_headers(
     incoming: Mapping[str, str], api_key: str | None
 ) -> CIMultiDict[str]:
@@ -53,9 +68,12 @@ def _request_headers(
         lower = key.lower()
         if lower in HOP_BY_HOP or lower.startswith("x-kvgate-"):
             continue
-        if lower == "authorization" and api_key:
+        if lower in _BODY_HEADERS or (lower == "authorization" and api_key):
             continue
         headers.add(key, value)
+    # The body sent is the JSON kvgate parsed, as received after aiohttp decoded any
+    # Content-Encoding: label it so, whatever type or encoding the client declared.
+    headers["Content-Type"] = "application/json"
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     return headers
@@ -104,12 +122,12 @@ async def forward(
                     result.first_byte_s = time.perf_counter() - started
                 if on_chunk is not None:
                     on_chunk(chunk)
-                await response.write(chunk)
+                await _to_client(response, chunk)
         except (aiohttp.ClientError, TimeoutError) as exc:
             result.failed_mid_stream = True
             if is_sse:
                 error = UpstreamError(f"backend {backend_name!r} failed mid-stream: {exc}")
-                await response.write(error.sse_event())
+                await _to_client(response, error.sse_event())
                 await response.write_eof()
             elif request.transport is not None:
                 request.transport.close()  # a cut body, never a clean-looking end

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +31,15 @@ from proxy.config import KvgateConfig, ModelConfig
 from proxy.engine_metrics import engine_load, kv_capacity_tokens
 from proxy.errors import (
     ContextLengthExceeded,
+    InternalError,
     InvalidRequest,
     KvgateError,
     MaxTokensRequired,
+    MethodNotAllowed,
     ModelNotFound,
+    NotFound,
     RequestTooLarge,
+    Unauthorized,
     UpstreamError,
 )
 from proxy.forward import ForwardResult, forward, make_session
@@ -147,32 +153,85 @@ class _Trace:
         return out
 
 
-_ENDED = frozenset({Outcome.COMPLETED, Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECT})
+_ENDED = frozenset({Outcome.COMPLETED, Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECT,
+                    InternalError.code})
+# Set by `error_middleware` for the task that serves the request, so the id in a 500's
+# message is the one `_infer` logs (a ContextVar: no request-storage key to declare).
+_REQUEST_ID: ContextVar[str | None] = ContextVar("kvgate_request_id", default=None)
 
 
-def _error_response(state: ProxyState, exc: KvgateError, trace: _Trace | None) -> web.Response:
+def _error_response(
+    state: ProxyState, exc: KvgateError, trace: _Trace | None, *, request_id: str | None = None
+) -> web.Response:
     """The one place a `KvgateError` becomes an HTTP answer."""
     headers = exc.headers()
+    if request_id is not None:
+        headers["x-kvgate-request-id"] = request_id
     if trace is not None:
         headers.update(trace.headers())
-        if isinstance(exc, UpstreamError):
-            trace.outcome = Outcome.UPSTREAM_ERROR  # admitted, then failed: not a rejection
-        else:
-            trace.outcome = exc.code
-            if trace.model in state.models:
-                state.metrics.rejected(trace.model, exc.code)
+        trace.outcome = exc.code
+        # an upstream or internal failure is not a rejection: `_infer` counts it as ended
+        if not isinstance(exc, UpstreamError | InternalError) and trace.model in state.models:
+            state.metrics.rejected(trace.model, exc.code)
     return web.json_response(exc.to_body(), status=exc.status, headers=headers)
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> KvgateError | None:
+    """aiohttp's router answers unknown paths and methods in plain text; say it in the
+    contract instead. Other HTTP exceptions pass through as aiohttp renders them."""
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(
+            f"method {request.method} is not allowed on {request.path}; allowed: "
+            f"{', '.join(sorted(exc.allowed_methods))}",
+            allowed=exc.allowed_methods,
+        )
+    if isinstance(exc, web.HTTPNotFound):
+        return NotFound(
+            f"no route {request.method} {request.path}; kvgate serves POST "
+            "/v1/chat/completions, POST /v1/completions and GET /v1/models",
+        )
+    return None
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Errors raised outside the inference path (no trace) get the same contract."""
+    """Every answer follows the error contract: errors raised outside the inference path
+    (no trace), unknown routes and methods, and, as the last resort, any exception
+    nothing mapped, which becomes `500 internal_error` naming the request id that the
+    log line with its traceback carries. A lease is never held here: `_serve` releases
+    in its `finally` before the exception arrives."""
+    request_id = uuid.uuid4().hex[:16]
+    _REQUEST_ID.set(request_id)
+    state = request.app[STATE_KEY]
     try:
         return await handler(request)
     except KvgateError as exc:
-        return _error_response(request.app[STATE_KEY], exc, None)
+        return _error_response(state, exc, None, request_id=request_id)
+    except web.HTTPException as exc:
+        mapped = _http_error(request, exc)
+        if mapped is None:
+            raise
+        return _error_response(state, mapped, None, request_id=request_id)
+    except Exception as exc:
+        if isinstance(exc, ConnectionResetError) and _client_gone(request):
+            # No one to answer; `_serve` counted the outcome. aiohttp drops this quietly.
+            return web.Response(status=499)
+        log.exception("request %s %s %s failed with an unexpected error", request_id,
+                      request.method, request.path)
+        if request.writer.output_size > 0:
+            raise  # the answer began: aiohttp cuts the connection; never a second answer
+        error = InternalError(
+            f"kvgate failed on this request with an internal error (request id "
+            f"{request_id}); it is logged with its cause"
+        )
+        return _error_response(state, error, None, request_id=request_id)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -217,7 +276,8 @@ def _tenant(request: web.Request, state: ProxyState) -> str:
     if tenant:
         return tenant[:64]
     auth = request.headers.get("Authorization", "")
-    return hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else ""
+    # surrogateescape: aiohttp decodes header bytes that are not UTF-8 (obs-text) so
+    return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:12] if auth else ""
 
 
 def _priority(request: web.Request, state: ProxyState) -> str:
@@ -233,9 +293,16 @@ async def _count(model: ModelRuntime, req: ValidRequest) -> list[int]:
     try:
         if req.chat is not None:
             return [await model.counter.count_chat_async(req.chat)]
-        return [await model.counter.count_prompt_async(p) for p in req.prompts]
+        counts = [await model.counter.count_prompt_async(p) for p in req.prompts]
     except TemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
+    for i, tokens in enumerate(counts):
+        if tokens == 0:  # vLLM refuses an empty decoder prompt; it must not reach it
+            where = "prompt" if len(counts) == 1 else f"prompt[{i}]"
+            raise InvalidRequest(
+                f"`{where}` is empty: 0 tokens after tokenization, and an engine cannot "
+                "generate from an empty prompt", param=where)
+    return counts
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -316,12 +383,17 @@ def _demand(
 
 async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    trace = _Trace(request_id=uuid.uuid4().hex[:16])
+    trace = _Trace(request_id=_REQUEST_ID.get() or uuid.uuid4().hex[:16])
     started = time.perf_counter()
     try:
         return await _serve(request, endpoint, state, trace)
     except KvgateError as exc:
         return _error_response(state, exc, trace)
+    except ConnectionResetError:
+        raise  # the client left; `_serve` set the outcome
+    except Exception:
+        trace.outcome = InternalError.code  # answered by `error_middleware`
+        raise
     finally:
         if trace.model in state.models and trace.outcome in _ENDED:
             state.metrics.finished(trace.model, trace.outcome)
@@ -380,7 +452,7 @@ async def _serve(
                                waited_s=trace.queue_wait_ms / 1000)
         body = raw
         if set_to is not None:
-            body = json.dumps({**req.body, req.max_tokens_field: set_to}).encode()
+            body = req.with_max_tokens(set_to)
         path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/completions"
         assert state.session is not None
         try:
@@ -490,11 +562,9 @@ async def _admin_state(request: web.Request) -> web.Response:
     token = state.config.server.admin_token
     if token is not None:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if given != token:
-            return web.json_response({"error": {"message": "admin token required",
-                                                "type": "authentication_error",
-                                                "code": "unauthorized", "param": None}},
-                                     status=401)
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
+            raise Unauthorized(f"{request.path} needs `Authorization: Bearer <admin token>`",
+                               param="Authorization")
     now = asyncio.get_running_loop().time()
     out: dict[str, Any] = {"ledger": {"kind": state.config.ledger.kind,
                                       "available": state.ledger.available}, "models": {}}

@@ -1,7 +1,7 @@
 """`kvgate local-stack`: the compose stack as plain processes on loopback.
 
 Redis, two simulated GPU backends, two kvgate replicas sharing the Redis ledger, and
-nginx in front (deploy/nginx-local.conf.template), for machines without a container
+nginx in front (proxy/bundled/nginx-local.conf.template), for machines without a container
 engine. Ports from --base-port B: load balancer B, replicas B+1 and B+2, simulated
 backends B+3 and B+4, Redis B+5. Everything stops together on Ctrl-C or SIGTERM.
 """
@@ -17,10 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+from proxy.bundled import bundled_file, bundled_model_dir
+
 __all__ = ["run_local_stack", "spawn_logged", "stop_process", "wait_port"]
 
+# The folder `proxy` is imported from (a checkout or site-packages): children started
+# with `python -m proxy` there import this same kvgate.
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "models" / "qwen3-14b"
 
 
 def spawn_logged(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -74,7 +77,7 @@ key_prefix = "kvgate-local"
 
 [[models]]
 name = "qwen3-14b"
-path = "{MODEL_DIR}"
+path = "{bundled_model_dir()}"
 max_model_len = 8192
 
 [models.deployment]
@@ -106,14 +109,14 @@ def run_local_stack(*, base_port: int, workdir: Path, kv_tokens: int,
                         "--save", "", "--appendonly", "no", "--dir", str(workdir)], redis_port)
         for name, port in (("sim-a", s1), ("sim-b", s2)):
             spawn(name, [*kvgate, "sim", "--port", str(port), "--kv-tokens", str(kv_tokens),
-                         "--model", "qwen3-14b", "--model-dir", str(MODEL_DIR),
+                         "--model", "qwen3-14b", "--model-dir", str(bundled_model_dir()),
                          "--max-model-len", "8192", "--decode-step-ms", str(decode_step_ms)],
                   port)
         for name, port in (("kvgate-1", r1), ("kvgate-2", r2)):
             config = workdir / f"{name}.toml"
             config.write_text(_replica_config(port, redis_port, [s1, s2], kv_tokens))
             spawn(name, [*kvgate, "serve", "--config", str(config)], port)
-        template = (ROOT / "deploy" / "nginx-local.conf.template").read_text()
+        template = bundled_file("nginx-local.conf.template").read_text()
         nginx_conf = workdir / "nginx.conf"
         nginx_conf.write_text(template.replace("@PREFIX@", str(workdir))
                               .replace("@LB_PORT@", str(lb))

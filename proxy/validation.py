@@ -7,6 +7,8 @@ never hold capacity or reach a backend. Messages name the field and the value.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -15,9 +17,21 @@ from typing import Any
 from proxy.errors import InvalidRequest
 from proxy.tokenize import ChatRequest
 
-__all__ = ["Endpoint", "ValidRequest", "parse_chat_file", "validate"]
+__all__ = ["MAX_JSON_DEPTH", "Endpoint", "ValidRequest", "parse_body", "parse_chat_file",
+           "validate"]
 
 _ROLES_NEED_CONTENT = {"system", "user", "developer"}
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects kvgate accepts. Real requests stay far below
+(a tool schema with nested objects reaches about 10); deeper input is a 400, never a
+RecursionError in the parser, the chat template or the re-serialisation."""
+
+# A \uD800-\uDFFF escape: only then can a string hold a surrogate (paired ones are fine).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NON_BRACKETS = re.compile(r"[^\[\]{}]+")
+_INNERMOST_PAIRS = re.compile(r"\[\]|\{\}")
 
 
 class Endpoint(StrEnum):
@@ -38,6 +52,17 @@ class ValidRequest:
     chat: ChatRequest | None
     prompts: tuple[str | tuple[int, ...], ...]
     body: Mapping[str, Any]
+
+    def with_max_tokens(self, max_tokens: int) -> bytes:
+        """The body to forward with the output capped at `max_tokens`. Every cap field the
+        client gave is rewritten (a chat body may hold both `max_tokens` and
+        `max_completion_tokens`, and an engine honours either), else `max_tokens_field`."""
+        present = [f for f in _MAX_TOKENS_FIELDS if self.body.get(f) is not None]
+        fields = dict.fromkeys(present or [self.max_tokens_field], max_tokens)
+        return json.dumps({**self.body, **fields}).encode()
+
+
+_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 def _fail(message: str, param: str) -> InvalidRequest:
@@ -153,12 +178,122 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
     )
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    """`1e400` is valid JSON text but overflows to inf, which re-serialises as `Infinity`
+    (not JSON) when the body is rewritten, and means nothing to a sampler anyway."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of the range of a double")
+    return value
+
+
+def _decode(raw: bytes) -> tuple[str, bool]:
+    """-> (text, may hold surrogates). JSON on the wire is UTF-8 (RFC 8259, section 8.1),
+    and the backend gets these same bytes. CESU-8 style encoded surrogates decode here so
+    the check below can name the field."""
+    encoding = json.detect_encoding(raw)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise _fail(f"request body must be UTF-8 encoded JSON; it looks like {encoding}",
+                    "body")
+    try:
+        return raw.decode(encoding), False
+    except UnicodeDecodeError:
+        try:
+            return raw.decode(encoding, "surrogatepass"), True
+        except UnicodeDecodeError as exc:
+            raise _fail(f"request body is not valid {encoding.upper()}: {exc}", "body") from exc
+
+
+def _path(parent: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else key
+
+
+def _too_deep(text: str) -> bool:
+    """Nesting depth from the text at C speed, for a body that parsed as JSON: drop the
+    strings, keep the brackets, then strip innermost pairs once per level. A body of
+    depth d is empty after d passes: `[{[]}]` -> `[{}]` -> `[]` -> ``."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return False  # the common case: too few brackets to nest that deep
+    skeleton = _NON_BRACKETS.sub("", _STRINGS.sub("", text))
+    for _ in range(MAX_JSON_DEPTH):
+        if not skeleton:
+            return False
+        skeleton = _INNERMOST_PAIRS.sub("", skeleton)
+    return bool(skeleton)
+
+
+def _check_strings(body: Any) -> None:
+    """Lone UTF-16 surrogates (`"\\ud800"`, or CESU-8 bytes) parse as Python strings but
+    are not Unicode text: no tokenizer can encode them (vLLM's fails on them too), and they
+    cannot be written back as UTF-8 to the backend. Such a field is a 400 naming it.
+    Iterative, over a body already known to be at most `MAX_JSON_DEPTH` deep."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:
+            if isinstance(key, str) and not _encodable(key):
+                raise _surrogate(_path(where, "<key>"), key)
+            if isinstance(child, dict | list):
+                stack.append((child, _path(where, key)))
+            elif isinstance(child, str) and not _encodable(child):
+                raise _surrogate(_path(where, key), child)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _surrogate(where: str, text: str) -> InvalidRequest:
+    bad = next(c for c in text if 0xD800 <= ord(c) <= 0xDFFF)
+    return _fail(
+        f"`{where}` contains a lone UTF-16 surrogate (U+{ord(bad):04X}), which is not "
+        "Unicode text: no tokenizer can encode it (vLLM's rejects it too). Encode the text "
+        "as UTF-8, or escape a character outside the BMP as a surrogate pair",
+        where,
+    )
+
+
+def parse_body(raw: bytes) -> Any:
+    """JSON as kvgate accepts it: UTF-8 text, finite numbers only, at most `MAX_JSON_DEPTH`
+    levels deep, every string encodable. Any other input is `InvalidRequest`, never an
+    exception the server did not expect (a RecursionError, a 4300-digit integer)."""
+    text, decoded_surrogates = _decode(raw)
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError as exc:
+        raise _fail(
+            f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+            "body",
+        ) from exc
+    except ValueError as exc:  # JSONDecodeError, NaN, 1e400, integers over the digit limit
+        raise _fail(f"request body is not valid JSON: {exc}", "body") from exc
+    if _too_deep(text):
+        raise _fail(
+            f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+            "body",
+        )
+    if decoded_surrogates or _SURROGATE_ESCAPE.search(text) is not None:
+        if isinstance(body, dict | list):
+            _check_strings(body)
+        elif isinstance(body, str) and not _encodable(body):
+            raise _surrogate("body", body)
+    return body
+
+
 def validate(raw: bytes, endpoint: Endpoint) -> ValidRequest:
     """Parse a body; raise `InvalidRequest` naming the first bad field."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _fail(f"request body is not valid JSON: {exc}", "body") from exc
+    body = parse_body(raw)
     if not isinstance(body, dict):
         raise _fail("request body must be a JSON object", "body")
     model = body.get("model")

@@ -314,9 +314,10 @@ def test_every_error_class_has_a_table_row_and_back() -> None:
     assert all(ERROR_TABLE[c.code] is c for c in classes)
     expected = {
         "invalid_request": 400, "context_length_exceeded": 400, "max_tokens_required": 400,
-        "model_not_found": 404, "request_too_large": 413, "queue_full": 429,
-        "queue_timeout": 429, "no_backend": 503, "ledger_unavailable": 503,
-        "upstream_error": 502,
+        "unauthorized": 401,
+        "model_not_found": 404, "not_found": 404, "method_not_allowed": 405,
+        "request_too_large": 413, "queue_full": 429, "queue_timeout": 429, "no_backend": 503,
+        "ledger_unavailable": 503, "upstream_error": 502, "internal_error": 500,
     }
     assert {code: cls.status for code, cls in ERROR_TABLE.items()} == expected
 
