@@ -47,7 +47,8 @@ from proxy.tokenize import load_counter
 ROOT = Path(__file__).resolve().parent.parent
 SLO_TTFT_S = 3.0
 DEADLINE_S = 3.0
-STARVATION_S = 1.0  # below the deadline, so a long waiter does reach the head's protection
+DEFAULT_STARVATION_S = 5.0  # kvgate's default: above the deadline, so pure backfill
+HOL_STARVATION_S = 1.0  # below the deadline: a long waiter does reach the head's protection
 MAX_PROMPT, MAX_OUTPUT = 6000, 1000
 SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "overhead")
 
@@ -78,6 +79,7 @@ class Scenario:
     title: str
     specs: list[RequestSpec]
     orderings: tuple[str, ...] = ("fifo",)
+    starvation_s: float = DEFAULT_STARVATION_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +94,11 @@ class Limits:
 
 async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
                      params: SimParams, target: Target, behaviour: Behaviour,
-                     ordering: str, label: str, limits: Limits) -> Run:
+                     ordering: str, label: str, limits: Limits, starvation_s: float) -> Run:
     """One run on fresh processes; raises StartFailed when the cluster does not come up."""
     gate = None
     if target.proxy:
-        gate = GateSettings(deadline_s=DEADLINE_S, ordering=ordering, starvation_s=STARVATION_S,
+        gate = GateSettings(deadline_s=DEADLINE_S, ordering=ordering, starvation_s=starvation_s,
                             output_policy="fill",
                             reservation="adaptive" if target is Target.ADAPTIVE else None)
     with cluster(params, gate=gate) as c:
@@ -112,7 +114,8 @@ async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
 
 
 def plan_scenarios(duration_s: float, params: SimParams,
-                   wanted: set[str], s4_orderings: tuple[str, ...]) -> tuple[list[Scenario], str]:
+                   wanted: set[str], s4_orderings: tuple[str, ...],
+                   starvation_s: float | None = None) -> tuple[list[Scenario], str]:
     conv = load_azure("azure_llm_2023_conv_slice.csv")
     lengths = replay(conv, rate_per_s=1.0, duration_s=10**6, max_prompt=MAX_PROMPT,
                      max_output=MAX_OUTPUT)
@@ -147,7 +150,9 @@ def plan_scenarios(duration_s: float, params: SimParams,
                if s.arrival_s < duration_s]
         out.append(Scenario(
             "S4", "Mixed short and very long requests (1.5x), head-of-line blocking", hol,
-            s4_orderings))
+            s4_orderings, HOL_STARVATION_S))
+    if starvation_s is not None:
+        out = [replace(s, starvation_s=starvation_s) for s in out]
     header = (
         f"Pool: 2 simulated backends x {params.kv_tokens:,} KV tokens; decode step "
         f"{params.decode_step_ms} ms + {params.per_seq_ms} ms per running sequence; prefill "
@@ -157,7 +162,7 @@ def plan_scenarios(duration_s: float, params: SimParams,
         "recorded output lengths whatever the client sends. Every request carries "
         "`sim_output_tokens` = its recorded output length (the simulated EOS). "
         f"TTFT SLO for goodput: {SLO_TTFT_S} s. kvgate: queue deadline {DEADLINE_S} s, depth "
-        f"256, starvation_s {STARVATION_S} s, output_policy `fill`; `direct+timeout` clients "
+        "256, output_policy `fill`, starvation_s per scenario; `direct+timeout` clients "
         f"give up after {DEADLINE_S} s without a first token. Each run stops at the arrival "
         "window + drain; `cut_at_benchmark_end` counts requests still open then.")
     return out, header
@@ -188,16 +193,24 @@ def _notes(summaries: list[Summary], failed: list[str]) -> str:
 
 
 def _long_requests(runs: list[Run]) -> str:
-    """What the long requests of the head-of-line mix got, target by target."""
+    """What the long requests of the head-of-line mix got, target by target: a first token
+    (admitted and served) within the run, and completion before the hard stop."""
     lines = []
     for run in runs:
-        for c in by_class(run.results):
-            if c.kind != "long":
-                continue
-            rest = ", ".join(f"{v} {k}" for k, v in sorted(c.outcomes.items())) or "none lost"
-            lines.append(f"- {run.label}: {c.completed} of {c.offered} long requests "
-                         f"completed (TTFT p99 of those {ms(c.ttft_p99)} ms); the rest: {rest}")
-    return "Long requests (5,000-token prompts, 1,200-token answers):\n\n" + "\n".join(lines)
+        longs = [r for r in run.results if r.spec.kind == "long"]
+        if not longs:
+            continue
+        started = [r.ttft_s for r in longs if r.ttft_s is not None]
+        c = next(c for c in by_class(run.results) if c.kind == "long")
+        rest = ", ".join(f"{v} {k}" for k, v in sorted(c.outcomes.items())) or "none lost"
+        ttft = (f" (TTFT p50 / max {ms(pct(started, 0.5))} / {ms(max(started))} ms)"
+                if started else "")
+        lines.append(f"- {run.label}: {len(started)} of {len(longs)} long requests got their "
+                     f"first token{ttft}, {c.completed} completed before the hard stop; not "
+                     f"completed: {rest}")
+    return ("Long requests (5,000-token prompts, 1,200-token answers, about 25 s of decoding "
+            "each, so only early arrivals can finish before the hard stop):\n\n"
+            + "\n".join(lines))
 
 
 async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilder,
@@ -206,7 +219,11 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
     sections = [f"## {scenario.key}: {scenario.title}\n\n{len(scenario.specs)} requests "
                 f"arriving over {limits.duration_s:.0f} s; hard stop at "
                 f"{limits.hard_stop_s:.0f} s. kvgate ordering: "
-                f"{', '.join(scenario.orderings)}."]
+                f"{', '.join(scenario.orderings)}; starvation_s {scenario.starvation_s:g} s "
+                + ("(below the deadline: a waiter that has waited that long holds the next "
+                   "room; nobody backfills past it)." if scenario.starvation_s < DEADLINE_S
+                   else "(not below the deadline: the head's protection never engages, "
+                        "smaller requests always backfill).")]
     goodput: dict[tuple[Behaviour, str], float] = {}
     labels: list[str] = []
     for behaviour in behaviours:
@@ -217,7 +234,8 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
         for target, ordering, label in _runs_for(scenario, targets):
             try:
                 runs.append(await run_target(scenario.key, scenario.specs, builder, params,
-                                             target, behaviour, ordering, label, limits))
+                                             target, behaviour, ordering, label, limits,
+                                             scenario.starvation_s))
             except StartFailed as exc:
                 failed.append(f"{label}: {exc}")
             if label not in labels:
@@ -344,6 +362,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         type=lambda v: tuple(_choices(v, ["fifo", "shortest-first", "priority"],
                                                       "unknown ordering")),
                         help="kvgate orderings compared in S4 (default: fifo)")
+    parser.add_argument("--starvation-s", type=float, default=None,
+                        help=f"kvgate's starvation_s for every scenario (default "
+                             f"{DEFAULT_STARVATION_S:g}, S4 {HOL_STARVATION_S:g})")
     parser.add_argument("--duration", type=float, default=None,
                         help="arrival window per run in seconds (default 20; --quick 8)")
     parser.add_argument("--drain", type=float, default=None,
@@ -367,7 +388,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     params = SimParams()
     builder = PromptBuilder(load_counter(ROOT / "models" / "qwen3-14b"))
-    scenarios, header = plan_scenarios(duration, params, wanted, args.s4_orderings)
+    scenarios, header = plan_scenarios(duration, params, wanted, args.s4_orderings,
+                                       args.starvation_s)
     sections = [header]
     for scenario in scenarios:
         sections += asyncio.run(scenario_sections(out, scenario, builder, params,

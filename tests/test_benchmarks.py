@@ -168,7 +168,7 @@ def test_summary_counts_misses_as_infinite_and_defines_saturation() -> None:
 
 def test_kvgate_config_variants_and_toml(tmp_path: Path) -> None:
     sims = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    strict = kvgate_config(SimParams(), GateSettings(), port=9, sims=sims)
+    strict = kvgate_config(SimParams(), GateSettings(starvation_s=1.0), port=9, sims=sims)
     adaptive = kvgate_config(SimParams(), GateSettings(reservation="adaptive"), port=9,
                              sims=sims)
     assert "reservation" not in strict["models"][0]
@@ -179,7 +179,7 @@ def test_kvgate_config_variants_and_toml(tmp_path: Path) -> None:
     model = parsed.models[0]
     assert (model.max_model_len, model.output.name, model.capacity_tokens) == (
         8192, "fill", 16384)
-    assert parsed.queue.starvation_s < parsed.queue.default_deadline_s
+    assert (parsed.queue.starvation_s, parsed.queue.default_deadline_s) == (1.0, 3.0)
 
 
 def test_cli_rejects_unknown_choices() -> None:

@@ -64,7 +64,7 @@ class GateSettings:
     deadline_s: float = 3.0
     max_depth: int = 256
     ordering: str = "fifo"
-    starvation_s: float = 1.0
+    starvation_s: float = 5.0  # kvgate's default
     output_policy: str = "fill"
     reservation: str | None = None  # None: the key is left out (kvgate's default, strict)
     ledger_url: str | None = None
