@@ -368,3 +368,36 @@ def test_sim_metrics_report_usage_fraction_and_abort_a_waiting_request_on_discon
                 assert _metric(await resp.text(), "vllm:kv_cache_usage_perc") == 0.0
 
     asyncio.run(scenario())
+
+
+def test_kvgate_forwards_stop_fields_unread() -> None:
+    """Through kvgate the simulator still sees sim_output_tokens, ignore_eos and min_tokens,
+    and kvgate's reservation ignores sim_output_tokens (prompt + max_tokens, or fill)."""
+    from tests.support.stack import running_stack
+
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=16384) as stack, \
+                aiohttp.ClientSession() as s:
+            async def ask(**fields: Any) -> tuple[str, int, int, int]:
+                body = {"model": "qwen3-14b",
+                        "messages": [{"role": "user", "content": "hello"}], **fields}
+                async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    data = await resp.json()
+                    reserved = int(resp.headers["x-kvgate-reserved-tokens"])
+                    prompt = int(resp.headers["x-kvgate-prompt-tokens"])
+                return (data["choices"][0]["finish_reason"],
+                        data["usage"]["completion_tokens"], reserved - prompt, prompt)
+
+            reason, n, reserved_out, _ = await ask(sim_output_tokens=5, max_tokens=50)
+            assert (reason, n) == ("stop", 5)
+            assert reserved_out >= 50  # the client's max_tokens, not the hidden length
+            assert (await ask(sim_output_tokens=5, max_tokens=50, ignore_eos=True))[:2] == (
+                "length", 50)
+            assert (await ask(sim_output_tokens=5, max_tokens=50, min_tokens=9))[:2] == (
+                "stop", 9)
+            reason, n, reserved_out, prompt = await ask(sim_output_tokens=6)
+            assert (reason, n) == ("stop", 6)
+            assert reserved_out >= 8192 - prompt  # fill: max_model_len - prompt
+
+    asyncio.run(scenario())
