@@ -138,7 +138,7 @@ _METRIC = re.compile(r"^(vllm:[a-z_]+)\{[^}]*\} (\S+)$", re.MULTILINE)
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """vLLM's unlabelled-by-us gauges and counters from a /metrics page."""
+    """vLLM's gauges and counters by name from a /metrics page (one model per backend)."""
     return {m.group(1): float(m.group(2)) for m in _METRIC.finditer(text)}
 
 
