@@ -1,29 +1,39 @@
-"""The benchmark suite: what kvgate buys on real traffic shapes, direct vs through kvgate.
+"""The benchmark suite: what kvgate buys on real traffic shapes, against honest baselines.
 
-    .venv/bin/python -m benchmarks.run [--out benchmarks/results/run] [--duration 15]
+    python -m benchmarks.run [--scenarios S2] [--behaviours cap-2048,none]
+        [--targets direct,direct+timeout,strict,adaptive] [--duration 20 | --quick]
 
-Every scenario runs twice on fresh processes, once straight to two simulated GPU
-backends (16,384 KV tokens each) and once through kvgate, with the same requests at
-the same times. Loads are calibrated against the pool: 1x means the offered resident
-tokens equal the capacity. Bounded: each run stops `duration + 15` seconds after its
-start, cutting whatever is still open. Writes report.md and PNG plots to --out.
+Every (scenario, client behaviour, target) runs on fresh processes: two simulated GPU
+backends (16,384 KV tokens each), and kvgate in front for the kvgate targets, with the
+same requests at the same times. Each request carries its recorded output length as
+`sim_output_tokens`, where the simulated model stops as at EOS; the behaviour decides
+what the client sends as `max_tokens` (the recorded length, a 2,048 cap, or nothing).
+Loads are calibrated against the pool at the recorded lengths: 1x means the offered
+resident tokens equal the capacity. Bounded: each run stops `duration + drain` seconds
+after its start, cutting whatever is still open. Writes report.md and PNG plots to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
+import os
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.suite.cluster import SimParams, cluster
+from benchmarks.suite.cluster import GateSettings, SimParams, StartFailed, Target, cluster
 from benchmarks.suite.loadgen import Run, run_closed_loop, run_open_loop
-from benchmarks.suite.report import Summary, pct, plot, summarize, table
+from benchmarks.suite.report import Summary, by_class, class_table, ms, pct, plot, summarize, table
 from benchmarks.suite.workloads import (
+    Behaviour,
     PromptBuilder,
     RequestSpec,
     burst,
@@ -37,19 +47,25 @@ from proxy.tokenize import load_counter
 ROOT = Path(__file__).resolve().parent.parent
 SLO_TTFT_S = 3.0
 DEADLINE_S = 3.0
+DEFAULT_STARVATION_S = 5.0  # kvgate's default: above the deadline, so pure backfill
+HOL_STARVATION_S = 1.0  # below the deadline: a long waiter does reach the head's protection
 MAX_PROMPT, MAX_OUTPUT = 6000, 1000
+SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "overhead")
 
 
 def rate_for(load: float, specs: list[RequestSpec], params: SimParams) -> float:
     """Arrival rate at which offered resident tokens are `load` x the KV capacity.
 
     Little's law: resident = rate x service time x tokens per request. Service time is
-    the output length times the step time at the concurrency the pool allows.
+    the output length times the step time at the concurrency the pool allows. Recorded
+    lengths are used whatever the client behaviour: the load is what the requests really
+    use, not what they announce.
     """
     capacity = 2 * params.kv_tokens
-    per_request = statistics.mean(s.prompt_tokens + s.max_tokens for s in specs)
+    per_request = statistics.mean(s.prompt_tokens + s.output_tokens for s in specs)
     running_per_backend = capacity / 2 / per_request
-    service_s = statistics.mean(s.max_tokens for s in specs) * params.step_s(running_per_backend)
+    service_s = statistics.mean(s.output_tokens for s in specs) * params.step_s(
+        running_per_backend)
     return load * capacity / (per_request * service_s)
 
 
@@ -57,116 +73,201 @@ def rescale(specs: list[RequestSpec], factor: float) -> list[RequestSpec]:
     return [replace(s, arrival_s=s.arrival_s / factor) for s in specs]
 
 
-async def _run_pair(name: str, specs: list[RequestSpec], builder: PromptBuilder,
-                    params: SimParams, duration_s: float, orderings: list[str]) -> list[Run]:
-    runs: list[Run] = []
-    for ordering in ["direct", *orderings]:
-        proxy = ordering != "direct"
-        label = "direct" if not proxy else f"kvgate {ordering}"
-        with cluster(params, proxy=proxy, ordering=ordering if proxy else "fifo",
-                     deadline_s=DEADLINE_S) as c:
-            run = await run_open_loop(
-                c.targets, specs, builder, hard_stop_s=duration_s + 15,
-                deadline_s=DEADLINE_S if proxy else None, label=f"{name}: {label}",
-                sampler=c.sample)
-            run.samples = c.samples
-            run.preemptions = await c.preemptions()
-        run.label = label
-        runs.append(run)
-    return runs
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    key: str
+    title: str
+    specs: list[RequestSpec]
+    orderings: tuple[str, ...] = ("fifo",)
+    starvation_s: float = DEFAULT_STARVATION_S
 
 
-async def scenarios(out: Path, duration_s: float, only: set[str] | None) -> list[str]:
-    params = SimParams()
-    builder = PromptBuilder(load_counter(ROOT / "models" / "qwen3-14b"))
+@dataclass(frozen=True, slots=True)
+class Limits:
+    duration_s: float  # arrival window; goodput is per second of it
+    drain_s: float  # after the window, before the hard stop
+
+    @property
+    def hard_stop_s(self) -> float:
+        return self.duration_s + self.drain_s
+
+
+async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
+                     params: SimParams, target: Target, behaviour: Behaviour,
+                     ordering: str, label: str, limits: Limits, starvation_s: float) -> Run:
+    """One run on fresh processes; raises StartFailed when the cluster does not come up."""
+    gate = None
+    if target.proxy:
+        gate = GateSettings(deadline_s=DEADLINE_S, ordering=ordering, starvation_s=starvation_s,
+                            output_policy="fill",
+                            reservation="adaptive" if target is Target.ADAPTIVE else None)
+    with cluster(params, gate=gate) as c:
+        run = await run_open_loop(
+            c.targets, specs, builder, hard_stop_s=limits.hard_stop_s,
+            deadline_s=DEADLINE_S if target.proxy else None,
+            give_up_s=DEADLINE_S if target is Target.DIRECT_TIMEOUT else None,
+            behaviour=behaviour, label=f"{key} {behaviour}: {label}", sampler=c.sample)
+        run.samples = c.samples
+        run.preemptions = await c.preemptions()
+    run.label = label
+    return run
+
+
+def plan_scenarios(duration_s: float, params: SimParams,
+                   wanted: set[str], s4_orderings: tuple[str, ...],
+                   starvation_s: float | None = None) -> tuple[list[Scenario], str]:
     conv = load_azure("azure_llm_2023_conv_slice.csv")
     lengths = replay(conv, rate_per_s=1.0, duration_s=10**6, max_prompt=MAX_PROMPT,
                      max_output=MAX_OUTPUT)
     one_x = rate_for(1.0, lengths, params)
-    synth_unit = synthetic_mix(rate_per_s=1.0, duration_s=duration_s * 40, seed=3,
-                               max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT)
-    synth_one_x = rate_for(1.0, synth_unit, params)
 
     # The slice's first minute is sparse (the trace starts mid-stream): skip it.
     def conv_at(load: float, start: int = 300, span: float = duration_s) -> list[RequestSpec]:
         return replay(conv, rate_per_s=load * one_x, duration_s=span, max_prompt=MAX_PROMPT,
                       max_output=MAX_OUTPUT, start=start)
 
-    burst_specs = burst(
-        conv_at(0.5),
-        [replace(s, arrival_s=s.arrival_s + 3.0) for s in conv_at(5.0, start=1500, span=4.0)],
-    )
-    hol = hol_mix(rate_per_s=1.0, duration_s=duration_s * 20, seed=11)
-    hol = [s for s in rescale(hol, 1.5 * rate_for(1.0, hol, params)) if s.arrival_s < duration_s]
-    plan: list[tuple[str, str, list[RequestSpec], list[str]]] = [
-        ("S1", "Under capacity (0.5x), Azure conversation trace", conv_at(0.5), ["fifo"]),
-        ("S2", "2x overload, Azure conversation trace", conv_at(2.0), ["fifo"]),
-        ("S2s", "2x overload, synthetic mix (lognormal, 2% very long)",
-         [s for s in rescale(synth_unit, 2.0 * synth_one_x) if s.arrival_s < duration_s],
-         ["fifo"]),
-        ("S3", "5x burst for 4 s on a 0.5x base, then recovery, Azure conversation lengths",
-         burst_specs, ["fifo"]),
-        ("S4", "Mixed short and very long requests (1.5x), per ordering policy", hol,
-         ["fifo", "shortest-first", "priority"]),
-    ]
-    sections = [
+    out: list[Scenario] = []
+    if "S1" in wanted:
+        out.append(Scenario("S1", "Under capacity (0.5x), Azure conversation trace",
+                            conv_at(0.5)))
+    if "S2" in wanted:
+        out.append(Scenario("S2", "2x overload, Azure conversation trace", conv_at(2.0)))
+    if "S2s" in wanted:
+        synth = synthetic_mix(rate_per_s=1.0, duration_s=duration_s * 40, seed=3,
+                              max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT)
+        synth = rescale(synth, 2.0 * rate_for(1.0, synth, params))
+        out.append(Scenario("S2s", "2x overload, synthetic mix (lognormal, 2% very long)",
+                            [s for s in synth if s.arrival_s < duration_s]))
+    if "S3" in wanted:
+        extra = [replace(s, arrival_s=s.arrival_s + 3.0)
+                 for s in conv_at(5.0, start=1500, span=4.0)]
+        out.append(Scenario(
+            "S3", "5x burst for 4 s on a 0.5x base, then recovery, Azure conversation lengths",
+            burst(conv_at(0.5), extra)))
+    if "S4" in wanted:
+        hol = hol_mix(rate_per_s=1.0, duration_s=duration_s * 20, seed=11)
+        hol = [s for s in rescale(hol, 1.5 * rate_for(1.0, hol, params))
+               if s.arrival_s < duration_s]
+        out.append(Scenario(
+            "S4", "Mixed short and very long requests (1.5x), head-of-line blocking", hol,
+            s4_orderings, HOL_STARVATION_S))
+    if starvation_s is not None:
+        out = [replace(s, starvation_s=starvation_s) for s in out]
+    header = (
         f"Pool: 2 simulated backends x {params.kv_tokens:,} KV tokens; decode step "
         f"{params.decode_step_ms} ms + {params.per_seq_ms} ms per running sequence; prefill "
-        f"{params.prefill_tokens_per_s:,.0f} tokens/s. 1x = {one_x:.2f} req/s on the Azure "
-        f"conversation lengths (prompts clipped to {MAX_PROMPT}, outputs to {MAX_OUTPUT}). "
-        f"TTFT SLO for goodput: {SLO_TTFT_S} s. kvgate queue deadline: {DEADLINE_S} s, "
-        "depth 256. Every run is bounded at duration + 15 s; 'cut' counts requests still "
-        "open then.",
-    ]
-    for key, title, specs, orderings in plan:
-        if only and key not in only:
+        f"{params.prefill_tokens_per_s:,.0f} tokens/s; max_model_len {params.max_model_len:,} "
+        f"(kvgate and engines). 1x = {one_x:.2f} req/s on the Azure conversation lengths "
+        f"(prompts clipped to {MAX_PROMPT}, outputs to {MAX_OUTPUT}), calibrated at the "
+        "recorded output lengths whatever the client sends. Every request carries "
+        "`sim_output_tokens` = its recorded output length (the simulated EOS). "
+        f"TTFT SLO for goodput: {SLO_TTFT_S} s. kvgate: queue deadline {DEADLINE_S} s, depth "
+        "256, output_policy `fill`, starvation_s per scenario; `direct+timeout` clients "
+        f"give up after {DEADLINE_S} s without a first token. Each run stops at the arrival "
+        "window + drain; `cut_at_benchmark_end` counts requests still open then.")
+    return out, header
+
+
+def _runs_for(scenario: Scenario, targets: Sequence[Target]) -> list[tuple[Target, str, str]]:
+    """(target, ordering, label): kvgate targets once per ordering the scenario compares."""
+    out = []
+    for target in targets:
+        if not target.proxy:
+            out.append((target, "fifo", target.label))
             continue
-        print(f"{key}: {title} ({len(specs)} requests)", file=sys.stderr, flush=True)
-        runs = await _run_pair(key, specs, builder, params, duration_s, orderings)
-        summaries = [summarize(r, slo_ttft_s=SLO_TTFT_S, window_s=duration_s) for r in runs]
-        image = out / f"{key}.png"
-        plot(runs, f"{key}: {title}", image)
-        sections.append(f"## {key}: {title}\n\n{len(specs)} requests over {duration_s:.0f} s."
-                        f"\n\n{table(summaries)}\n\n{_verdict(summaries, runs)}\n\n"
-                        f"![{key}]({image.name})")
-        if key == "S4":
-            sections.append(_short_requests(runs))
-    return sections
+        for ordering in scenario.orderings:
+            label = target.label if len(scenario.orderings) == 1 else (
+                f"{target.label} {ordering}")
+            out.append((target, ordering, label))
+    return out
 
 
-def _verdict(summaries: list[Summary], runs: list[Run]) -> str:
-    notes = []
+def _notes(summaries: list[Summary], failed: list[str]) -> str:
+    notes = [f"did not run: {f}" for f in failed]
     for s in summaries:
-        if s.label == "direct":
-            notes.append(f"direct: {s.preemptions} preemptions, TTFT p99 {_s(s.ttft_p99)}, "
-                         f"{s.cut} requests still open at the cut")
-            continue
         over = s.worst_timeout_overshoot_s
-        full = s.worst_queue_full_answer_s
-        notes.append(
-            f"{s.label}: {s.preemptions} preemptions, TTFT p99 {_s(s.ttft_p99)} (bound: "
-            f"deadline {DEADLINE_S:.0f} s + service); queue_timeout answered at most "
-            f"{'-' if over is None else f'{over * 1000:.0f} ms'} past the deadline; "
-            f"queue_full answered within {'-' if full is None else f'{full * 1000:.0f} ms'}")
+        if over is not None:
+            notes.append(f"{s.label}: queue_timeout answered at most {over * 1000:.0f} ms "
+                         f"past the {DEADLINE_S:.0f} s deadline")
     return "\n".join(f"- {n}" for n in notes)
 
 
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} s"
-
-
-def _short_requests(runs: list[Run]) -> str:
-    lines = ["Short requests only (the ones head-of-line blocking hurts):", "",
-             "| run | short completed | short TTFT p50 / p99 ms | long completed |",
-             "|---|---|---|---|"]
+def _long_requests(runs: list[Run]) -> str:
+    """What the long requests of the head-of-line mix got, target by target: a first token
+    (admitted and served) within the run, and completion before the hard stop."""
+    lines = []
     for run in runs:
-        short = [r.ttft_s for r in run.results
-                 if r.spec.kind == "short" and r.ok and r.ttft_s is not None]
-        longs = sum(1 for r in run.results if r.spec.kind == "long" and r.ok)
-        p50, p99 = pct(short, 0.5) or 0.0, pct(short, 0.99) or 0.0
-        lines.append(f"| {run.label} | {len(short)} | {p50 * 1000:,.0f} / {p99 * 1000:,.0f} "
-                     f"| {longs} |")
-    return "\n".join(lines)
+        longs = [r for r in run.results if r.spec.kind == "long"]
+        if not longs:
+            continue
+        started = [r.ttft_s for r in longs if r.ttft_s is not None]
+        c = next(c for c in by_class(run.results) if c.kind == "long")
+        rest = ", ".join(f"{v} {k}" for k, v in sorted(c.outcomes.items())) or "none lost"
+        ttft = (f" (TTFT p50 / max {ms(pct(started, 0.5))} / {ms(max(started))} ms)"
+                if started else "")
+        lines.append(f"- {run.label}: {len(started)} of {len(longs)} long requests got their "
+                     f"first token{ttft}, {c.completed} completed before the hard stop; not "
+                     f"completed: {rest}")
+    return ("Long requests (5,000-token prompts, 1,200-token answers, about 25 s of decoding "
+            "each, so only early arrivals can finish before the hard stop):\n\n"
+            + "\n".join(lines))
+
+
+async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilder,
+                            params: SimParams, behaviours: Sequence[Behaviour],
+                            targets: Sequence[Target], limits: Limits) -> list[str]:
+    sections = [f"## {scenario.key}: {scenario.title}\n\n{len(scenario.specs)} requests "
+                f"arriving over {limits.duration_s:.0f} s; hard stop at "
+                f"{limits.hard_stop_s:.0f} s. kvgate ordering: "
+                f"{', '.join(scenario.orderings)}; starvation_s {scenario.starvation_s:g} s "
+                + ("(below the deadline: a waiter that has waited that long holds the next "
+                   "room; nobody backfills past it)." if scenario.starvation_s < DEADLINE_S
+                   else "(not below the deadline: the head's protection never engages, "
+                        "smaller requests always backfill).")]
+    goodput: dict[tuple[Behaviour, str], float] = {}
+    labels: list[str] = []
+    for behaviour in behaviours:
+        print(f"{scenario.key} {behaviour}: {len(scenario.specs)} requests", file=sys.stderr,
+              flush=True)
+        runs: list[Run] = []
+        failed: list[str] = []
+        for target, ordering, label in _runs_for(scenario, targets):
+            try:
+                runs.append(await run_target(scenario.key, scenario.specs, builder, params,
+                                             target, behaviour, ordering, label, limits,
+                                             scenario.starvation_s))
+            except StartFailed as exc:
+                failed.append(f"{label}: {exc}")
+            if label not in labels:
+                labels.append(label)
+        summaries = [summarize(r, slo_ttft_s=SLO_TTFT_S, window_s=limits.duration_s,
+                               gated=r.label.startswith("kvgate")) for r in runs]
+        for s in summaries:
+            goodput[(behaviour, s.label)] = s.goodput_per_s
+        image = out / f"{scenario.key}-{behaviour}.png"
+        if runs:
+            plot(runs, f"{scenario.key}, client behaviour `{behaviour}`: {scenario.title}",
+                 image)
+        part = (f"### {scenario.key}, client behaviour `{behaviour}`\n\n{table(summaries)}"
+                f"\n\n{_notes(summaries, failed)}")
+        if scenario.key == "S4" and runs:
+            part += ("\n\nPer class:\n\n" + class_table(runs) + "\n\n" + _long_requests(runs))
+        if runs:
+            part += f"\n\n![{scenario.key} {behaviour}]({image.name})"
+        sections.append(part)
+    if "direct" in labels and len(behaviours) > 0:
+        head = "| behaviour | " + " | ".join(labels) + " |"
+        rows = [head, "|" + "---|" * (len(labels) + 1)]
+        for behaviour in behaviours:
+            base = goodput.get((behaviour, "direct"))
+            cells = []
+            for label in labels:
+                g = goodput.get((behaviour, label))
+                cells.append("-" if g is None or not base else f"{g / base:.2f}x")
+            rows.append(f"| {behaviour} | " + " | ".join(cells) + " |")
+        sections.insert(1, "Goodput relative to `direct`, per client behaviour:\n\n"
+                           + "\n".join(rows))
+    return sections
 
 
 async def overhead(requests_scale: float) -> str:
@@ -180,7 +281,7 @@ async def overhead(requests_scale: float) -> str:
              "added p50 / p99 ms | throughput ratio |", "|---|---|---|---|---|---|---|"]
 
     async def measure(url: str, n: int, conc: int, stream: bool) -> tuple[list[float], float]:
-        specs = [RequestSpec(arrival_s=0, prompt_tokens=24, max_tokens=32)] * n
+        specs = [RequestSpec(arrival_s=0, prompt_tokens=24, output_tokens=32)] * n
         run = await run_closed_loop(url, specs, builder, concurrency=conc, hard_stop_s=120,
                                     stream=stream)
         latencies = [r.latency_s for r in run.results if r.ok and r.latency_s is not None]
@@ -193,8 +294,9 @@ async def overhead(requests_scale: float) -> str:
         redis.start()
         try:
             for ledger in ("memory", "redis"):
-                with cluster(params, proxy=True, max_depth=4096,
-                             ledger_url=redis.url if ledger == "redis" else None) as c:
+                gate = GateSettings(max_depth=4096, deadline_s=10.0,
+                                    ledger_url=redis.url if ledger == "redis" else None)
+                with cluster(params, gate=gate) as c:
                     assert c.proxy is not None
                     for stream in (False, True):
                         for conc in (1, 32, 128):
@@ -218,24 +320,89 @@ async def overhead(requests_scale: float) -> str:
             + "\n".join(lines))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def _choices(value: str, allowed: Sequence[str], what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(
+            f"{what}: {', '.join(bad) or 'none given'}; choose from {', '.join(allowed)}")
+    return items
+
+
+def _revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown revision"
+    return f"revision {rev or 'unknown'}{' with local changes' if dirty else ''}"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "run"))
-    parser.add_argument("--duration", type=float, default=20.0)
-    parser.add_argument("--only", nargs="*", help="scenario keys, e.g. S2 S4; 'overhead'")
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS),
+        type=lambda v: _choices(v, SCENARIOS, "unknown scenario"),
+        help=f"comma-separated, from {','.join(SCENARIOS)} (default: all)")
+    parser.add_argument(
+        "--behaviours", default=",".join(b.value for b in Behaviour),
+        type=lambda v: [Behaviour(b) for b in _choices(v, [b.value for b in Behaviour],
+                                                       "unknown behaviour")],
+        help="what clients send as max_tokens: recorded, cap-2048, none (default: all)")
+    parser.add_argument(
+        "--targets", default=",".join(t.value for t in Target),
+        type=lambda v: [Target(t) for t in _choices(v, [t.value for t in Target],
+                                                    "unknown target")],
+        help="direct, direct+timeout, strict, adaptive (default: all)")
+    parser.add_argument("--s4-orderings", default="fifo",
+                        type=lambda v: tuple(_choices(v, ["fifo", "shortest-first", "priority"],
+                                                      "unknown ordering")),
+                        help="kvgate orderings compared in S4 (default: fifo)")
+    parser.add_argument("--starvation-s", type=float, default=None,
+                        help=f"kvgate's starvation_s for every scenario (default "
+                             f"{DEFAULT_STARVATION_S:g}, S4 {HOL_STARVATION_S:g})")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="arrival window per run in seconds (default 20; --quick 8)")
+    parser.add_argument("--drain", type=float, default=None,
+                        help="seconds after the window before the hard stop (default 15; "
+                             "--quick 6)")
+    parser.add_argument("--quick", action="store_true",
+                        help="short windows for development: numbers are noisier")
     parser.add_argument("--overhead-scale", type=float, default=1.0)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    duration = args.duration if args.duration is not None else (8.0 if args.quick else 20.0)
+    drain = args.drain if args.drain is not None else (6.0 if args.quick else 15.0)
+    limits = Limits(duration_s=duration, drain_s=drain)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    only = set(args.only) if args.only else None
+    wanted = set(args.scenarios)
     started = time.perf_counter()
-    sections = asyncio.run(scenarios(out, args.duration, only))
-    if only is None or "overhead" in only:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    params = SimParams()
+    builder = PromptBuilder(load_counter(ROOT / "models" / "qwen3-14b"))
+    scenarios, header = plan_scenarios(duration, params, wanted, args.s4_orderings,
+                                       args.starvation_s)
+    sections = [header]
+    for scenario in scenarios:
+        sections += asyncio.run(scenario_sections(out, scenario, builder, params,
+                                                  args.behaviours, args.targets, limits))
+    if "overhead" in wanted:
         sections.append(asyncio.run(overhead(args.overhead_scale)))
     elapsed = time.perf_counter() - started
+    command = " ".join(["python -m benchmarks.run",
+                        shlex.join(sys.argv[1:] if argv is None else list(argv))]).strip()
     report = ("# kvgate benchmark report\n\n"
-              f"Command: `python -m benchmarks.run {' '.join(sys.argv[1:])}`; "
-              f"wall time {elapsed:.0f} s.\n\n" + "\n\n".join(sections) + "\n")
+              f"Command: `{command}`; {stamp}, {os.cpu_count()} CPUs, {_revision()}; "
+              f"wall time {elapsed:.0f} s."
+              "\n\n" + "\n\n".join(sections) + "\n")
     (out / "report.md").write_text(report)
     print(report)
 

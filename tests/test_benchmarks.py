@@ -1,16 +1,26 @@
-"""The benchmark suite's parts: exact prompts, calibrated loads, and a tiny real run."""
+"""The benchmark suite's parts: exact prompts, client behaviours, calibrated loads, the
+client-side give-up, the summary's definitions, and a tiny real run end to end."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from benchmarks.run import rate_for
-from benchmarks.suite.cluster import SimParams
+from benchmarks.run import parse_args, rate_for
+from benchmarks.suite.cluster import GateSettings, SimParams, kvgate_config, to_toml
+from benchmarks.suite.loadgen import ABANDONED, Result, Run, Sample, run_open_loop
+from benchmarks.suite.report import summarize
 from benchmarks.suite.workloads import (
+    Behaviour,
     PromptBuilder,
     RequestSpec,
     hol_mix,
@@ -18,16 +28,20 @@ from benchmarks.suite.workloads import (
     replay,
     synthetic_mix,
 )
+from proxy.config import parse_config
+from proxy.sim.engine import OutputLength
 from proxy.tokenize import ChatRequest, load_counter
+from tests.support.servers import fake_backend, running_sim
 
 ROOT = Path(__file__).resolve().parent.parent
+QWEN = ROOT / "models" / "qwen3-14b"
 
 
 @pytest.mark.parametrize("tokens", [10, 374, 1024, 6000])
 def test_prompt_builder_gives_exactly_the_recorded_tokens(tokens: int) -> None:
-    counter = load_counter(ROOT / "models" / "qwen3-14b")
+    counter = load_counter(QWEN)
     body = PromptBuilder(counter).body(RequestSpec(arrival_s=0, prompt_tokens=tokens,
-                                                   max_tokens=5))
+                                                   output_tokens=5))
     assert counter.count_chat(ChatRequest(messages=body["messages"])) == tokens
 
 
@@ -40,11 +54,12 @@ def test_trace_replay_keeps_lengths_and_compresses_time() -> None:
     assert all(s.arrival_s < 30.0 for s in specs)
     assert 400 < len(specs) < 800  # about 20 req/s; the trace's own bursts remain
     assert specs[0].prompt_tokens == min(6000, rows[300].prompt_tokens)
+    assert specs[0].output_tokens == min(1000, rows[300].output_tokens)
 
 
 def test_load_calibration_follows_littles_law() -> None:
     params = SimParams()
-    specs = [RequestSpec(arrival_s=0, prompt_tokens=1000, max_tokens=200)] * 10
+    specs = [RequestSpec(arrival_s=0, prompt_tokens=1000, output_tokens=200)] * 10
     # 32,768 / 1,200 tokens = 27.3 running, 13.65 per backend: step 22.73 ms;
     # service 200 x 22.73 ms = 4.546 s; 1x = 27.3 / 4.546 = 6.01 req/s
     assert rate_for(1.0, specs, params) == pytest.approx(6.006, abs=0.01)
@@ -60,15 +75,141 @@ def test_synthetic_and_hol_mixes_are_seeded_and_bounded() -> None:
     assert {s.kind for s in hol} == {"short", "long"}
 
 
+def test_client_behaviours_on_the_wire() -> None:
+    """What reaches a backend over HTTP: the true length only as sim_output_tokens, and
+    max_tokens as the behaviour says (absent for `none`)."""
+    seen: list[dict[str, Any]] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    specs = [RequestSpec(arrival_s=0.01 * i, prompt_tokens=40 + i, output_tokens=17 + i)
+             for i in range(3)]
+    builder = PromptBuilder(load_counter(QWEN))
+
+    async def scenario() -> None:
+        async with fake_backend(chat) as base:
+            for behaviour in Behaviour:
+                run = await run_open_loop([base], specs, builder, hard_stop_s=10,
+                                          behaviour=behaviour)
+                assert all(r.ok and r.ttft_s is not None for r in run.results)
+
+    asyncio.run(scenario())
+    assert len(seen) == 9
+    by_behaviour = dict(zip(Behaviour, (seen[0:3], seen[3:6], seen[6:9]), strict=True))
+    for bodies in by_behaviour.values():
+        assert sorted(b["sim_output_tokens"] for b in bodies) == [17, 18, 19]
+        assert all("max_completion_tokens" not in b for b in bodies)
+    assert all(b["max_tokens"] == b["sim_output_tokens"]
+               for b in by_behaviour[Behaviour.RECORDED])
+    assert [b["max_tokens"] for b in by_behaviour[Behaviour.CAP_2048]] == [2048] * 3
+    assert all("max_tokens" not in b for b in by_behaviour[Behaviour.NONE])
+
+
+def test_direct_timeout_client_abandons_and_the_engine_frees_its_place() -> None:
+    """A waiting request given up at the deadline closes its connection and never runs."""
+    builder = PromptBuilder(load_counter(QWEN))
+    # 20 blocks: each 200-token prompt needs 13, so the second waits behind the first
+    specs = [RequestSpec(arrival_s=0.0, prompt_tokens=200, output_tokens=60),
+             RequestSpec(arrival_s=0.1, prompt_tokens=200, output_tokens=60)]
+
+    async def scenario() -> dict[str, Any]:
+        async with running_sim(kv_tokens=320, max_model_len=320, model="qwen3-14b",
+                               model_dir=str(QWEN),
+                               output_length=OutputLength.MAX, decode_step_ms=25) as base:
+            run = await run_open_loop([base], specs, builder, hard_stop_s=15, give_up_s=0.6,
+                                      behaviour=Behaviour.NONE)
+            first, second = run.results
+            assert first.ok and first.tokens_out == 60  # stopped at sim_output_tokens
+            assert second.code == ABANDONED
+            assert second.latency_s is not None and 0.6 <= second.latency_s < 1.0
+            async with aiohttp.ClientSession() as s, s.get(f"{base}/sim/state") as resp:
+                state: dict[str, Any] = await resp.json()
+            return state
+
+    state = asyncio.run(scenario())
+    assert state["waiting"] == state["running"] == state["blocks_used"] == 0
+    assert state["generation_tokens_total"] == 60  # the abandoned one was never scheduled
+
+
+def _sample(t: float, kv: float, waiting: int, queued: int | None) -> Sample:
+    return Sample(t=t, kv_use=kv, resident=int(kv * 100), reserved=None, capacity=100,
+                  queued=queued, engine_waiting=waiting, running=1, preemptions=0)
+
+
+def test_summary_counts_misses_as_infinite_and_defines_saturation() -> None:
+    spec = RequestSpec(arrival_s=0, prompt_tokens=10, output_tokens=5)
+    ok = [Result(spec=spec, status=200, ttft_s=(i + 1) / 10, latency_s=1.0, queue_wait_s=0.0)
+          for i in range(97)]
+    missed = [Result(spec=spec, status=429, code="queue_timeout", latency_s=3.0),
+              Result(spec=spec, status=200, code=ABANDONED, latency_s=3.0),
+              Result(spec=spec, status=200, ttft_s=0.2, code="cut_at_benchmark_end")]
+    run = Run(label="kvgate strict", results=ok + missed, samples=[
+        _sample(0.0, 0.2, 0, 0), _sample(0.2, 0.6, 0, 3), _sample(0.4, 0.8, 2, None)])
+    s = summarize(run, slo_ttft_s=3.0, window_s=10.0, gated=True)
+    assert (s.completed, s.offered) == (97, 100)
+    assert s.goodput_per_s == pytest.approx(3.0)  # TTFT 0.1..9.7 s: 30 within 3 s
+    assert s.ttft_p99 == pytest.approx(9.7)
+    assert s.ttft_p99_all is not None and math.isinf(s.ttft_p99_all)
+    assert s.queue_wait_p99 == 0.0
+    assert s.queue_wait_p99_all is not None and math.isinf(s.queue_wait_p99_all)
+    assert s.rejections == {"queue_timeout": 1, ABANDONED: 1, "cut_at_benchmark_end": 1}
+    assert s.kv_use_mean == pytest.approx((0.2 + 0.6 + 0.8) / 3)
+    assert s.kv_use_saturated == pytest.approx(0.7)  # only samples with someone waiting
+    assert s.saturated_share == pytest.approx(2 / 3)
+    direct = summarize(run, slo_ttft_s=3.0, window_s=10.0, gated=False)
+    assert direct.queue_wait_p99 is None and direct.queue_wait_p99_all is None
+
+
+def test_kvgate_config_variants_and_toml(tmp_path: Path) -> None:
+    sims = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    strict = kvgate_config(SimParams(), GateSettings(starvation_s=1.0), port=9, sims=sims)
+    adaptive = kvgate_config(SimParams(), GateSettings(reservation="adaptive"), port=9,
+                             sims=sims)
+    assert "reservation" not in strict["models"][0]
+    assert adaptive["models"][0]["reservation"] == "adaptive"
+    for config in (strict, adaptive):
+        assert tomllib.loads(to_toml(config)) == config
+    parsed = parse_config(tomllib.loads(to_toml(strict)), base=tmp_path)  # kvgate accepts it
+    model = parsed.models[0]
+    assert (model.max_model_len, model.output.name, model.capacity_tokens) == (
+        8192, "fill", 16384)
+    assert (parsed.queue.starvation_s, parsed.queue.default_deadline_s) == (1.0, 3.0)
+
+
+def test_cli_rejects_unknown_choices() -> None:
+    args = parse_args(["--scenarios", "S2", "--behaviours", "cap-2048,none",
+                       "--targets", "direct,direct+timeout,strict,adaptive"])
+    assert args.scenarios == ["S2"] and args.behaviours == [Behaviour.CAP_2048, Behaviour.NONE]
+    for bad in (["--behaviours", "cap-4096"], ["--targets", "kvgate"], ["--scenarios", "S9"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
 def test_suite_tiny_run_writes_report_and_plots(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--only", "S2", "--duration", "3",
+        [sys.executable, "-m", "benchmarks.run", "--scenarios", "S2", "--behaviours", "none",
+         "--targets", "direct+timeout,strict", "--duration", "3", "--drain", "2",
          "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = (tmp_path / "report.md").read_text()
-    assert "| direct |" in report and "| kvgate fifo |" in report
-    assert (tmp_path / "S2.png").stat().st_size > 10_000
-    kvgate_row = next(line for line in report.splitlines() if line.startswith("| kvgate"))
-    assert kvgate_row.split("|")[10].strip() == "0"  # zero preemptions through kvgate
+    assert report.startswith("# kvgate benchmark report\n\nCommand: `python -m benchmarks.run "
+                             "--scenarios S2 --behaviours none --targets direct+timeout,strict")
+    assert "wall time" in report.splitlines()[2]
+    for column in ("completed / offered", "goodput/s", "not completed (reason: n)",
+                   "preemptions", "KV use mean / saturated", "TTFT p99 all / completed ms",
+                   "queue wait p99 all / completed ms"):
+        assert column in report, column
+    rows = {line.split("|")[1].strip(): line.split("|") for line in report.splitlines()
+            if line.startswith("| direct+timeout |") or line.startswith("| kvgate strict |")}
+    assert set(rows) == {"direct+timeout", "kvgate strict"}
+    assert rows["kvgate strict"][5].strip() == "0"  # zero preemptions through kvgate
+    assert rows["direct+timeout"][9].strip() == "- / -"  # no gateway queue to wait in
+    assert (tmp_path / "S2-none.png").stat().st_size > 10_000

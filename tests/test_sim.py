@@ -235,3 +235,169 @@ def test_engine_config_rejects_bad_values() -> None:
         EngineConfig(kv_tokens=8)
     with pytest.raises(ValueError, match="`decode_step_ms` must be >= 0"):
         EngineConfig(kv_tokens=64, decode_step_ms=-1)
+
+
+async def _finish(s: aiohttp.ClientSession, base: str, endpoint: str, stream: bool,
+                  **fields: Any) -> tuple[int, str | None, int]:
+    """(status, finish_reason, completion tokens) for one request, counted from the wire."""
+    if endpoint == "chat":
+        url, body = f"{base}/v1/chat/completions", chat_body(**fields)
+    else:
+        url, body = f"{base}/v1/completions", {"model": "sim-model", "prompt": "hi", **fields}
+    if stream:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with asyncio.timeout(20), s.post(url, json=body) as resp:
+        if resp.status != 200:
+            return resp.status, (await resp.json())["error"]["param"], 0
+        if not stream:
+            data = await resp.json()
+            return 200, data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"]
+        events = await read_sse(resp)
+    assert events[-1] == "[DONE]"
+    pieces = 0
+    reason = None
+    for e in events[:-1]:
+        for c in e["choices"]:
+            text = c["delta"].get("content") if endpoint == "chat" else c["text"]
+            pieces += bool(text)
+            reason = c["finish_reason"] or reason
+    assert events[-2]["usage"]["completion_tokens"] == pieces
+    return 200, reason, pieces
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_sim_output_tokens_ignore_eos_and_min_tokens(endpoint: str, stream: bool) -> None:
+    async def scenario() -> None:
+        # lognormal lengths (median 64) unless the request says otherwise
+        async with running_sim(kv_tokens=100_000, seed=1) as base, \
+                aiohttp.ClientSession() as s:
+            async def check(expected: tuple[str, int], **fields: Any) -> None:
+                got = await _finish(s, base, endpoint, stream, **fields)
+                assert got == (200, *expected), fields
+
+            await check(("stop", 5), sim_output_tokens=5, max_tokens=20)
+            await check(("stop", 20), sim_output_tokens=20, max_tokens=20)  # EOS wins a tie
+            await check(("length", 20), sim_output_tokens=30, max_tokens=20)
+            await check(("length", 20), sim_output_tokens=5, max_tokens=20, ignore_eos=True)
+            await check(("stop", 9), sim_output_tokens=5, max_tokens=20, min_tokens=9)
+            await check(("stop", 5), sim_output_tokens=5, max_tokens=20, min_tokens=0)
+            await check(("stop", 7), sim_output_tokens=7)  # no max_tokens: EOS still ends it
+            await check(("stop", 5), sim_output_tokens=5, ignore_eos=False)
+            # without the field the seeded lognormal length applies; ignore_eos overrides it
+            # and min_tokens = max_tokens makes every draw reach the end
+            for _ in range(3):
+                await check(("length", 300), max_tokens=300, ignore_eos=True)
+                _, _, n = await _finish(s, base, endpoint, stream, max_tokens=300,
+                                        min_tokens=300)
+                assert n == 300
+            if endpoint == "completions":  # vLLM's default of 16 caps an absent max_tokens
+                await check(("length", 16), sim_output_tokens=40)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"sim_output_tokens": "5"}, "sim_output_tokens"),
+    ({"sim_output_tokens": 0}, "sim_output_tokens"),
+    ({"sim_output_tokens": True}, "sim_output_tokens"),
+    ({"sim_output_tokens": 2.5}, "sim_output_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": "3"}, "min_tokens"),
+    ({"min_tokens": 30, "max_tokens": 20}, "min_tokens"),
+])
+def test_sim_stop_fields_are_type_checked(fields: dict[str, Any], param: str) -> None:
+    async def scenario() -> None:
+        async with running_sim(kv_tokens=4096) as base, aiohttp.ClientSession() as s:
+            for endpoint in ("chat", "completions"):
+                async with s.post(f"{base}/v1/{'chat/' if endpoint == 'chat' else ''}"
+                                  "completions",
+                                  json=(chat_body(**fields) if endpoint == "chat" else
+                                        {"model": "sim-model", "prompt": "x", **fields})
+                                  ) as resp:
+                    assert resp.status == 400
+                    error = (await resp.json())["error"]
+                assert error["code"] == "invalid_request"
+                assert error["param"] == param
+                assert param in error["message"]
+            assert (await state(s, base))["finished"] == 0
+
+    asyncio.run(scenario())
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing")
+
+
+def test_sim_metrics_report_usage_fraction_and_abort_a_waiting_request_on_disconnect() -> None:
+    """A client that gives up before its first token frees its place in the engine."""
+    async def scenario() -> None:
+        # 16 blocks; each request needs 13 for its prompt (206 tokens): one runs, one waits
+        async with running_sim(kv_tokens=256, output_length=OutputLength.MAX,
+                               decode_step_ms=30) as base, aiohttp.ClientSession() as s:
+            body = chat_body("x" * 800, max_tokens=45, stream=True)
+            first = await s.post(f"{base}/v1/chat/completions", json=body)
+            await first.content.readline()
+            second = await s.post(f"{base}/v1/chat/completions", json=body)
+            await second.content.readline()  # the role chunk: headers came, no token yet
+            async with asyncio.timeout(5):
+                while (await state(s, base))["waiting"] != 1:
+                    await asyncio.sleep(0.01)
+            async with s.get(f"{base}/metrics") as resp:
+                text = await resp.text()
+            assert 13 / 16 <= _metric(text, "vllm:kv_cache_usage_perc") <= 1.0
+            assert _metric(text, "vllm:num_requests_running") == 1
+            assert _metric(text, "vllm:num_requests_waiting") == 1
+            assert _metric(text, "vllm:num_preemptions_total") == 0
+            second.close()  # gives up before its first token
+            async with asyncio.timeout(2):
+                while (st := await state(s, base))["waiting"]:
+                    await asyncio.sleep(0.01)
+            assert st["running"] == 1  # the first one is still generating
+            events = await read_sse(first)
+            assert events[-1] == "[DONE]"
+            st = await state(s, base)
+            assert st["generation_tokens_total"] == 45  # the abandoned one never ran
+            assert st["blocks_used"] == 0
+            async with s.get(f"{base}/metrics") as resp:
+                assert _metric(await resp.text(), "vllm:kv_cache_usage_perc") == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_kvgate_forwards_stop_fields_unread() -> None:
+    """Through kvgate the simulator still sees sim_output_tokens, ignore_eos and min_tokens,
+    and kvgate's reservation ignores sim_output_tokens (prompt + max_tokens, or fill)."""
+    from tests.support.stack import running_stack
+
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=16384) as stack, \
+                aiohttp.ClientSession() as s:
+            async def ask(**fields: Any) -> tuple[str, int, int, int]:
+                body = {"model": "qwen3-14b",
+                        "messages": [{"role": "user", "content": "hello"}], **fields}
+                async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    data = await resp.json()
+                    reserved = int(resp.headers["x-kvgate-reserved-tokens"])
+                    prompt = int(resp.headers["x-kvgate-prompt-tokens"])
+                return (data["choices"][0]["finish_reason"],
+                        data["usage"]["completion_tokens"], reserved - prompt, prompt)
+
+            reason, n, reserved_out, _ = await ask(sim_output_tokens=5, max_tokens=50)
+            assert (reason, n) == ("stop", 5)
+            assert reserved_out >= 50  # the client's max_tokens, not the hidden length
+            assert (await ask(sim_output_tokens=5, max_tokens=50, ignore_eos=True))[:2] == (
+                "length", 50)
+            assert (await ask(sim_output_tokens=5, max_tokens=50, min_tokens=9))[:2] == (
+                "stop", 9)
+            reason, n, reserved_out, prompt = await ask(sim_output_tokens=6)
+            assert (reason, n) == ("stop", 6)
+            assert reserved_out >= 8192 - prompt  # fill: max_model_len - prompt
+
+    asyncio.run(scenario())

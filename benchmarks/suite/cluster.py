@@ -1,15 +1,24 @@
-"""Two simulated GPU backends, with or without kvgate in front, as separate processes."""
+"""Two simulated GPU backends, with or without kvgate in front, as separate processes.
+
+A target is how the clients reach the backends: straight (round-robin), straight with
+a client-side give-up at kvgate's queue deadline, or through kvgate with one of its
+reservation modes. kvgate's configuration is built as a dict and written as TOML, so
+a variant (e.g. `reservation = "adaptive"`) is one key in that dict.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -18,6 +27,22 @@ from proxy.stack import spawn_logged, stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = ROOT / "models" / "qwen3-14b"
+MODEL = "qwen3-14b"
+
+
+class Target(StrEnum):
+    DIRECT = "direct"  # clients straight to the backends, round-robin; they wait forever
+    DIRECT_TIMEOUT = "direct+timeout"  # ...and give up at kvgate's deadline (to 1st token)
+    STRICT = "strict"  # through kvgate, reservation = prompt + max_tokens
+    ADAPTIVE = "adaptive"  # through kvgate, reservation = "adaptive"
+
+    @property
+    def proxy(self) -> bool:
+        return self in (Target.STRICT, Target.ADAPTIVE)
+
+    @property
+    def label(self) -> str:
+        return f"kvgate {self.value}" if self.proxy else self.value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,11 +57,89 @@ class SimParams:
         return (self.decode_step_ms + self.per_seq_ms * running) / 1000
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GateSettings:
+    """kvgate's queue and model settings for one run."""
+
+    deadline_s: float = 3.0
+    max_depth: int = 256
+    ordering: str = "fifo"
+    starvation_s: float = 5.0  # kvgate's default
+    output_policy: str = "fill"
+    reservation: str | None = None  # None: the key is left out (kvgate's default, strict)
+    ledger_url: str | None = None
+
+
+class StartFailed(RuntimeError):
+    """A process of the cluster did not come up; the message carries its log's tail."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def kvgate_config(params: SimParams, gate: GateSettings, *, port: int,
+                  sims: list[str]) -> dict[str, Any]:
+    """kvgate's configuration for two simulated backends, as the TOML file will hold it."""
+    model: dict[str, Any] = {
+        "name": MODEL, "path": str(QWEN), "max_model_len": params.max_model_len,
+        "output_policy": gate.output_policy,
+    }
+    if gate.reservation is not None:
+        model["reservation"] = gate.reservation
+    model["deployment"] = {"kv_tokens": params.kv_tokens, "block_size": 16}
+    model["backends"] = [{"name": f"sim-{i}", "url": u} for i, u in enumerate(sims)]
+    config: dict[str, Any] = {
+        "server": {"listen": f"127.0.0.1:{port}"},
+        "queue": {"max_depth": gate.max_depth, "default_deadline_s": gate.deadline_s,
+                  "ordering": gate.ordering, "starvation_s": gate.starvation_s},
+    }
+    if gate.ledger_url:
+        config["ledger"] = {"kind": "redis", "url": gate.ledger_url}
+    config["models"] = [model]
+    return config
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def _is_tables(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
+
+
+def to_toml(data: Mapping[str, Any], prefix: str = "") -> str:
+    """The small TOML subset kvgate's config uses: scalars, arrays, tables, arrays of tables."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items()
+             if not isinstance(v, Mapping) and not _is_tables(v)]
+    out = "\n".join(lines) + ("\n" if lines else "")
+    for k, v in data.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out += f"\n[{name}]\n" + to_toml(v, f"{name}.")
+        elif _is_tables(v):
+            for item in v:
+                out += f"\n[[{name}]]\n" + to_toml(item, f"{name}.")
+    return out
+
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)\{[^}]*\} (\S+)$", re.MULTILINE)
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """vLLM's gauges and counters by name from a /metrics page (one model per backend)."""
+    return {m.group(1): float(m.group(2)) for m in _METRIC.finditer(text)}
 
 
 @dataclass
@@ -51,83 +154,77 @@ class Cluster:
         return [self.proxy] if self.proxy else self.sims
 
     async def sample(self, t: float) -> None:
-        """One point of resident tokens (real and reserved) and queue depth."""
+        """One point: the engines' own KV use, queues and preemptions; kvgate's view."""
         timeout = aiohttp.ClientTimeout(total=1.0)
         async with aiohttp.ClientSession(timeout=timeout) as s:
-            resident = waiting = 0
+            usage = 0.0
+            running = waiting = preemptions = 0
             for url in self.sims:
-                async with s.get(f"{url}/sim/state") as resp:
-                    st = await resp.json()
-                resident += st["blocks_used"] * st["block_size"]
-                waiting += st["waiting"]
-            reserved = None
+                async with s.get(f"{url}/metrics") as resp:
+                    m = parse_vllm_metrics(await resp.text())
+                usage += m["vllm:kv_cache_usage_perc"]
+                running += int(m["vllm:num_requests_running"])
+                waiting += int(m["vllm:num_requests_waiting"])
+                preemptions += int(m["vllm:num_preemptions_total"])
+            reserved = queued = None
             if self.proxy:
                 async with s.get(f"{self.proxy}/admin/state") as resp:
-                    model = (await resp.json())["models"]["qwen3-14b"]
+                    model = (await resp.json())["models"][MODEL]
                 reserved = sum(b["resident_tokens"] for b in model["backends"].values())
-                waiting = model["queue_depth"]
-        self.samples.append(Sample(t=t, resident=resident, reserved=reserved,
-                                   capacity=self.capacity, queued=waiting))
+                queued = int(model["queue_depth"])
+        kv_use = usage / len(self.sims)  # equal pools: the mean is the whole pool's share
+        self.samples.append(Sample(
+            t=t, kv_use=kv_use, resident=round(kv_use * self.capacity), reserved=reserved,
+            capacity=self.capacity, queued=queued, engine_waiting=waiting, running=running,
+            preemptions=preemptions))
 
     async def preemptions(self) -> int:
         async with aiohttp.ClientSession() as s:
             total = 0
             for url in self.sims:
-                async with s.get(f"{url}/sim/state") as resp:
-                    total += int((await resp.json())["preemptions"])
+                async with s.get(f"{url}/metrics") as resp:
+                    total += int(parse_vllm_metrics(await resp.text())
+                                 ["vllm:num_preemptions_total"])
             return total
 
 
+def _start(cmd: list[str], log: Path, port: int, name: str,
+           procs: list[subprocess.Popen[bytes]]) -> None:
+    proc = spawn_logged(cmd, log)
+    procs.append(proc)
+    try:
+        wait_port(port, proc, name)
+    except RuntimeError as exc:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+        raise StartFailed(f"{exc}: {' / '.join(tail)}") from exc
+
+
 @contextlib.contextmanager
-def cluster(params: SimParams, *, proxy: bool, ordering: str = "fifo",
-            deadline_s: float = 10.0, max_depth: int = 256,
-            ledger_url: str | None = None, seed: int = 0) -> Iterator[Cluster]:
+def cluster(params: SimParams, *, gate: GateSettings | None = None,
+            seed: int = 0) -> Iterator[Cluster]:
+    """Two fresh simulated backends, and kvgate in front when `gate` is given."""
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         try:
             sims = []
             for i in range(2):
                 port = free_port()
-                proc = spawn_logged(
-                    [sys.executable, "-m", "proxy", "sim", "--port", str(port),
-                     "--kv-tokens", str(params.kv_tokens), "--model", "qwen3-14b",
-                     "--model-dir", str(QWEN), "--output-len", "max",
-                     "--decode-step-ms", str(params.decode_step_ms),
-                     "--per-seq-ms", str(params.per_seq_ms),
-                     "--prefill-tokens-per-s", str(params.prefill_tokens_per_s),
-                     "--max-model-len", str(params.max_model_len), "--seed", str(seed + i)],
-                    Path(tmp) / f"sim{i}.log")
-                procs.append(proc)
-                wait_port(port, proc, f"sim {i}")
+                _start([sys.executable, "-m", "proxy", "sim", "--port", str(port),
+                        "--kv-tokens", str(params.kv_tokens), "--model", MODEL,
+                        "--model-dir", str(QWEN), "--output-len", "max",
+                        "--decode-step-ms", str(params.decode_step_ms),
+                        "--per-seq-ms", str(params.per_seq_ms),
+                        "--prefill-tokens-per-s", str(params.prefill_tokens_per_s),
+                        "--max-model-len", str(params.max_model_len), "--seed", str(seed + i)],
+                       Path(tmp) / f"sim{i}.log", port, f"sim {i}", procs)
                 sims.append(f"http://127.0.0.1:{port}")
             proxy_url = None
-            if proxy:
+            if gate is not None:
                 port = free_port()
-                ledger = (f'[ledger]\nkind = "redis"\nurl = "{ledger_url}"\n'
-                          if ledger_url else "")
-                backends = "".join(f'\n[[models.backends]]\nname = "sim-{i}"\nurl = "{u}"\n'
-                                   for i, u in enumerate(sims))
                 config = Path(tmp) / "kvgate.toml"
-                config.write_text(f"""[server]
-listen = "127.0.0.1:{port}"
-[queue]
-max_depth = {max_depth}
-default_deadline_s = {deadline_s}
-ordering = "{ordering}"
-starvation_s = 5.0
-{ledger}
-[[models]]
-name = "qwen3-14b"
-path = "{QWEN}"
-max_model_len = {params.max_model_len}
-[models.deployment]
-kv_tokens = {params.kv_tokens}
-block_size = 16
-{backends}""")
-                proc = spawn_logged([sys.executable, "-m", "proxy", "serve", "--config",
-                                     str(config)], Path(tmp) / "kvgate.log")
-                procs.append(proc)
-                wait_port(port, proc, "kvgate")
+                config.write_text(to_toml(kvgate_config(params, gate, port=port, sims=sims)))
+                _start([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
+                       Path(tmp) / "kvgate.log", port, "kvgate", procs)
                 proxy_url = f"http://127.0.0.1:{port}"
             yield Cluster(sims=sims, proxy=proxy_url, capacity=2 * params.kv_tokens)
         finally:

@@ -3,6 +3,9 @@
 Every request streams; the generator records status, contract code, queue wait (from
 kvgate's header), time to first token, end-to-end latency and tokens out. A hard stop
 bounds every run: requests still open then are cut and recorded as such.
+
+A client with `give_up_s` abandons a request that has no first token by then and
+closes its connection, so the engine frees whatever the request held.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from benchmarks.suite.workloads import PromptBuilder, RequestSpec
+from benchmarks.suite.workloads import Behaviour, PromptBuilder, RequestSpec
 
 CUT = "cut_at_benchmark_end"
+ABANDONED = "abandoned"
+SAMPLE_EVERY_S = 0.2
 
 
 @dataclass(slots=True)
@@ -40,13 +45,22 @@ class Result:
         return self.status == 200 and self.code is None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Sample:
     t: float
-    resident: int  # tokens the backends really hold (their KV pools)
+    kv_use: float  # the engines' vllm:kv_cache_usage_perc, 0..1 of the whole pool
+    resident: int  # tokens the backends really hold (kv_use x capacity)
     reserved: int | None  # tokens kvgate has reserved (None when direct)
     capacity: int
-    queued: int  # requests waiting (kvgate's queue, or the engines' own queues)
+    queued: int | None  # requests in kvgate's queue (None when direct)
+    engine_waiting: int  # vllm:num_requests_waiting, summed over backends
+    running: int  # vllm:num_requests_running, summed
+    preemptions: int  # vllm:num_preemptions_total, summed (cumulative)
+
+    @property
+    def saturated(self) -> bool:
+        """Someone is waiting for KV room: in an engine's queue or in kvgate's."""
+        return self.engine_waiting > 0 or bool(self.queued)
 
 
 @dataclass(slots=True)
@@ -59,9 +73,25 @@ class Run:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
-               headers: dict[str, str], result: Result, t0: float) -> None:
+               headers: dict[str, str], result: Result, t0: float,
+               give_up_s: float | None = None) -> None:
     start = time.perf_counter()
     result.sent_s = start - t0
+    first_token = asyncio.timeout(give_up_s)  # disarmed when the first token arrives
+    try:
+        async with first_token:
+            await _exchange(session, url, body, headers, result, start, first_token)
+    except TimeoutError:
+        if not first_token.expired():
+            raise
+        # the connection is closed on the way out: the engine aborts the request
+        result.code = ABANDONED
+        result.latency_s = time.perf_counter() - start
+
+
+async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                    headers: dict[str, str], result: Result, start: float,
+                    first_token: asyncio.Timeout) -> None:
     async with session.post(f"{url}/v1/chat/completions", json=body,
                             headers=headers) as resp:
         result.status = resp.status
@@ -74,6 +104,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
             return
         if not body.get("stream"):
             data = await resp.json()
+            first_token.reschedule(None)
             result.ttft_s = result.latency_s = time.perf_counter() - start
             result.tokens_out = int(data["usage"]["completion_tokens"])
             return
@@ -85,6 +116,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
             if b'"delta":{"content":"' in line:
                 if result.ttft_s is None:
                     result.ttft_s = time.perf_counter() - start
+                    first_token.reschedule(None)
                 result.tokens_out += 1
             elif b'"usage"' in line:
                 usage = json.loads(line[6:]).get("usage") or {}
@@ -96,10 +128,15 @@ async def run_open_loop(
     targets: Sequence[str], specs: Sequence[RequestSpec], builder: PromptBuilder, *,
     hard_stop_s: float, deadline_s: float | None = None, label: str = "",
     sampler: Callable[[float], Any] | None = None,
+    behaviour: Behaviour = Behaviour.RECORDED, give_up_s: float | None = None,
 ) -> Run:
-    """Send each spec at its arrival time, round-robin over `targets`."""
+    """Send each spec at its arrival time, round-robin over `targets`.
+
+    `deadline_s` is kvgate's queue deadline (recorded to check its answers); `give_up_s`
+    makes the client itself abandon a request without a first token by then.
+    """
     results = [Result(spec=s, deadline_s=deadline_s) for s in specs]
-    bodies = [builder.body(s) for s in specs]
+    bodies = [builder.body(s, behaviour=behaviour) for s in specs]
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=hard_stop_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -112,7 +149,7 @@ async def run_open_loop(
             headers = {"x-kvgate-priority": spec.priority} if spec.priority else {}
             try:
                 await _one(session, targets[i % len(targets)], bodies[i], headers,
-                           results[i], t0)
+                           results[i], t0, give_up_s)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 results[i].code = f"client_error:{type(exc).__name__}"
             finally:
@@ -140,7 +177,7 @@ async def _sample_loop(sampler: Callable[[float], Any], t0: float) -> None:
     while True:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             await sampler(time.perf_counter() - t0)
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(SAMPLE_EVERY_S)
 
 
 async def run_closed_loop(

@@ -1,13 +1,23 @@
-"""Figures from runs: goodput, percentiles, rejections, utilisation; Markdown and PNG plots."""
+"""Figures from runs: goodput, percentiles, rejections, engine KV use; Markdown and PNG plots.
+
+Percentiles are given twice, and labelled: over ALL offered requests, where a request
+that was rejected, abandoned or not finished counts as infinitely late (a miss), and
+over completed requests only. The first is what users feel; the second alone flatters
+whoever turns most requests away.
+"""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.suite.loadgen import CUT, Run
+from benchmarks.suite.loadgen import Result, Run
+
+INF = math.inf
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -18,7 +28,14 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:,.0f}"
+    if value is None:
+        return "-"
+    return "∞" if math.isinf(value) else f"{value * 1000:,.0f}"
+
+
+def completed(r: Result) -> bool:
+    """Answered 200 and streamed to its end (not rejected, abandoned, broken or cut)."""
+    return r.ok and r.ttft_s is not None and r.latency_s is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,110 +44,159 @@ class Summary:
     offered: int
     completed: int
     goodput_per_s: float
-    ttft_p50: float | None
-    ttft_p95: float | None
-    ttft_p99: float | None
+    ttft_p50: float | None  # completed
+    ttft_p99: float | None  # completed
+    ttft_p99_all: float | None  # all offered, misses infinite
+    queue_wait_p99: float | None  # completed; None without kvgate
+    queue_wait_p99_all: float | None  # all offered, misses infinite; None without kvgate
     latency_p50: float | None
-    latency_p95: float | None
     latency_p99: float | None
-    rejections: dict[str, int]
-    cut: int
-    queue_wait_p99: float | None
+    rejections: dict[str, int]  # kvgate's error codes, "abandoned", "cut_at_benchmark_end"
     preemptions: int
-    peak_resident: int
-    capacity: int
-    mean_utilisation: float
+    kv_use_mean: float | None
+    kv_use_saturated: float | None
+    saturated_share: float
     peak_reserved: int | None
     worst_timeout_overshoot_s: float | None
-    worst_queue_full_answer_s: float | None
 
 
-def summarize(run: Run, *, slo_ttft_s: float, window_s: float) -> Summary:
-    ok = [r for r in run.results if r.ok and r.ttft_s is not None]
-    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    latency = [r.latency_s for r in ok if r.latency_s is not None]
+def summarize(run: Run, *, slo_ttft_s: float, window_s: float,
+              gated: bool) -> Summary:
+    done = [r for r in run.results if completed(r)]
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    ttft_all = ttft + [INF] * (len(run.results) - len(done))
     good = sum(1 for t in ttft if t <= slo_ttft_s)
-    codes = Counter(r.code for r in run.results if r.code and r.code != CUT)
-    waits = [r.queue_wait_s for r in run.results if r.queue_wait_s is not None]
+    codes = Counter(r.code or f"http_{r.status}" for r in run.results if not completed(r))
+    waits = [r.queue_wait_s if r.queue_wait_s is not None else 0.0 for r in done]
+    waits_all = waits + [INF] * (len(run.results) - len(done))
     timeouts = [r.latency_s - r.deadline_s for r in run.results
                 if r.code == "queue_timeout" and r.latency_s is not None
                 and r.deadline_s is not None]
-    fulls = [r.latency_s for r in run.results if r.code == "queue_full" and r.latency_s]
     samples = run.samples
-    capacity = samples[0].capacity if samples else 0
+    saturated = [s.kv_use for s in samples if s.saturated]
     reserved = [s.reserved for s in samples if s.reserved is not None]
+    latency = [r.latency_s for r in done if r.latency_s is not None]
     return Summary(
         label=run.label,
         offered=len(run.results),
-        completed=len(ok),
+        completed=len(done),
         goodput_per_s=good / window_s,
-        ttft_p50=pct(ttft, 0.50), ttft_p95=pct(ttft, 0.95), ttft_p99=pct(ttft, 0.99),
-        latency_p50=pct(latency, 0.50), latency_p95=pct(latency, 0.95),
-        latency_p99=pct(latency, 0.99),
+        ttft_p50=pct(ttft, 0.50), ttft_p99=pct(ttft, 0.99), ttft_p99_all=pct(ttft_all, 0.99),
+        queue_wait_p99=pct(waits, 0.99) if gated else None,
+        queue_wait_p99_all=pct(waits_all, 0.99) if gated else None,
+        latency_p50=pct(latency, 0.50), latency_p99=pct(latency, 0.99),
         rejections=dict(codes),
-        cut=sum(1 for r in run.results if r.code == CUT),
-        queue_wait_p99=pct(waits, 0.99),
         preemptions=run.preemptions,
-        peak_resident=max((s.resident for s in samples), default=0),
-        capacity=capacity,
-        mean_utilisation=(statistics.mean(s.resident for s in samples) / capacity
-                          if samples and capacity else 0.0),
+        kv_use_mean=statistics.mean(s.kv_use for s in samples) if samples else None,
+        kv_use_saturated=statistics.mean(saturated) if saturated else None,
+        saturated_share=len(saturated) / len(samples) if samples else 0.0,
         peak_reserved=max(reserved) if reserved else None,
         worst_timeout_overshoot_s=max(timeouts) if timeouts else None,
-        worst_queue_full_answer_s=max(fulls) if fulls else None,
     )
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def table(summaries: list[Summary]) -> str:
-    head = ("| run | offered | completed | goodput/s | TTFT p50/p95/p99 ms | "
-            "latency p50/p95/p99 ms | rejected (reason: n) | cut | p99 queue wait ms | "
-            "preemptions | peak resident / capacity | mean util |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| target | completed / offered | goodput/s | not completed (reason: n) | "
+            "preemptions | KV use mean / saturated (share of time saturated) | "
+            "TTFT p99 all / completed ms | TTFT p50 completed ms | "
+            "queue wait p99 all / completed ms | latency p50 / p99 completed ms | "
+            "peak reserved |")
+    lines = [head, "|" + "---|" * 11]
     for s in summaries:
         rejected = ", ".join(f"{k}: {v}" for k, v in sorted(s.rejections.items())) or "0"
-        peak = f"{s.peak_resident:,} / {s.capacity:,}"
-        if s.peak_reserved is not None:
-            peak += f" (reserved {s.peak_reserved:,})"
         lines.append(
-            f"| {s.label} | {s.offered} | {s.completed} | {s.goodput_per_s:.2f} | "
-            f"{ms(s.ttft_p50)} / {ms(s.ttft_p95)} / {ms(s.ttft_p99)} | "
-            f"{ms(s.latency_p50)} / {ms(s.latency_p95)} / {ms(s.latency_p99)} | {rejected} | "
-            f"{s.cut} | {ms(s.queue_wait_p99)} | {s.preemptions} | {peak} | "
-            f"{s.mean_utilisation:.0%} |"
+            f"| {s.label} | {s.completed} / {s.offered} | {s.goodput_per_s:.2f} | {rejected} | "
+            f"{s.preemptions} | {_share(s.kv_use_mean)} / {_share(s.kv_use_saturated)} "
+            f"({s.saturated_share:.0%}) | {ms(s.ttft_p99_all)} / {ms(s.ttft_p99)} | "
+            f"{ms(s.ttft_p50)} | {ms(s.queue_wait_p99_all)} / {ms(s.queue_wait_p99)} | "
+            f"{ms(s.latency_p50)} / {ms(s.latency_p99)} | "
+            f"{'-' if s.peak_reserved is None else f'{s.peak_reserved:,}'} |"
         )
     return "\n".join(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class ClassSummary:
+    kind: str
+    offered: int
+    completed: int
+    ttft_p50: float | None
+    ttft_p99: float | None
+    ttft_p99_all: float | None
+    outcomes: dict[str, int]
+
+
+def by_class(results: Iterable[Result]) -> list[ClassSummary]:
+    """Per request class (short / long in the head-of-line mix)."""
+    kinds: dict[str, list[Result]] = {}
+    for r in results:
+        kinds.setdefault(r.spec.kind, []).append(r)
+    out = []
+    for kind, rs in sorted(kinds.items(), key=lambda kv: (kv[0] != "short", kv[0])):
+        done = [r for r in rs if completed(r)]
+        ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+        out.append(ClassSummary(
+            kind=kind, offered=len(rs), completed=len(done),
+            ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99),
+            ttft_p99_all=pct(ttft + [INF] * (len(rs) - len(done)), 0.99),
+            outcomes=dict(Counter(r.code or f"http_{r.status}"
+                                  for r in rs if not completed(r)))))
+    return out
+
+
+def class_table(runs: list[Run]) -> str:
+    lines = ["| target | class | completed / offered | TTFT p50 / p99 completed ms | "
+             "TTFT p99 all ms | not completed (reason: n) |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        for c in by_class(run.results):
+            rest = ", ".join(f"{k}: {v}" for k, v in sorted(c.outcomes.items())) or "0"
+            lines.append(f"| {run.label} | {c.kind} | {c.completed} / {c.offered} | "
+                         f"{ms(c.ttft_p50)} / {ms(c.ttft_p99)} | {ms(c.ttft_p99_all)} | "
+                         f"{rest} |")
+    return "\n".join(lines)
+
+
 def plot(runs: list[Run], title: str, path: Path) -> None:
-    """TTFT CDFs, resident tokens vs capacity, and queue depth over time."""
+    """TTFT CDF, engine KV use vs capacity, preemptions and waiting requests over time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    cdf, resident, queue = axes
-    for run in runs:
-        ttft = sorted(r.ttft_s for r in run.results if r.ok and r.ttft_s is not None)
-        if ttft:
-            ys = [(i + 1) / len(run.results) for i in range(len(ttft))]
-            cdf.plot(ttft, ys, label=run.label)
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
+    cdf, kv, preempt, queue = axes
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        color = palette[i % len(palette)]  # one colour per target in every panel
+        done = sorted(r.ttft_s for r in run.results if completed(r) and r.ttft_s is not None)
+        if done:
+            cdf.plot(done, [(i + 1) / len(run.results) for i in range(len(done))],
+                     color=color, label=run.label)
         ts = [s.t for s in run.samples]
-        resident.plot(ts, [s.resident for s in run.samples], label=f"{run.label}: in KV pools")
+        kv.plot(ts, [s.kv_use for s in run.samples], color=color,
+                label=f"{run.label}: engine KV use")
         if any(s.reserved is not None for s in run.samples):
-            resident.plot(ts, [s.reserved or 0 for s in run.samples], linestyle="--",
-                          label=f"{run.label}: reserved")
-        queue.plot(ts, [s.queued for s in run.samples], label=run.label)
-    if runs and runs[0].samples:
-        resident.axhline(runs[0].samples[0].capacity, color="black", linewidth=1,
-                         label="capacity")
-    cdf.set(title="TTFT CDF (share of all requests)", xlabel="seconds", ylabel="share")
-    resident.set(title="KV tokens resident vs capacity", xlabel="seconds", ylabel="tokens")
-    queue.set(title="requests waiting", xlabel="seconds", ylabel="requests")
+            kv.plot(ts, [(s.reserved or 0) / s.capacity for s in run.samples], color=color,
+                    linestyle="--", label=f"{run.label}: reserved")
+        preempt.plot(ts, [s.preemptions for s in run.samples], color=color, label=run.label)
+        queue.plot(ts, [s.engine_waiting + (s.queued or 0) for s in run.samples],
+                   color=color, label=run.label)
+    kv.axhline(1.0, color="black", linewidth=1, label="capacity")
+    cdf.set(title="TTFT CDF (share of ALL offered requests)", xlabel="seconds",
+            ylabel="share")
+    kv.set(title="KV use (vllm:kv_cache_usage_perc) vs capacity", xlabel="seconds",
+           ylabel="share of the pool", ylim=(0, 1.1))
+    preempt.set(title="preemptions (cumulative)", xlabel="seconds", ylabel="preemptions")
+    queue.set(title="requests waiting (engines + kvgate queue)", xlabel="seconds",
+              ylabel="requests")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -4,6 +4,11 @@ Prompts are built with the bundled Qwen3 tokenizer and chat template so that eac
 request's prompt is exactly its recorded token count after the template: the content
 is " the" repeated (one token each in Qwen3's vocabulary), and every body is checked
 with the real counter when built.
+
+The recorded output length travels only as `sim_output_tokens`, which the simulated
+engine treats as the point where the model samples EOS. What the client puts in
+`max_tokens` is the client behaviour under test: real clients do not know the answer's
+length in advance, so only `recorded` hands it over.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +29,26 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 MODEL = "qwen3-14b"
 
 
+class Behaviour(StrEnum):
+    """What the client sends as `max_tokens`."""
+
+    RECORDED = "recorded"  # the recorded output length: the gate is told the truth
+    CAP_2048 = "cap-2048"  # a fixed cap, as most SDK defaults and UIs send
+    NONE = "none"  # no max_tokens: the engine may run to the context limit
+
+    def max_tokens(self, output_tokens: int) -> int | None:
+        if self is Behaviour.RECORDED:
+            return output_tokens
+        if self is Behaviour.CAP_2048:
+            return 2048
+        return None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestSpec:
     arrival_s: float
     prompt_tokens: int
-    max_tokens: int
+    output_tokens: int  # recorded length: where the simulated model stops (EOS)
     kind: str = "normal"  # "short" / "long" in the head-of-line mix
     priority: str = ""
 
@@ -69,7 +90,7 @@ def replay(rows: list[TraceRow], *, rate_per_s: float, duration_s: float,
         if t >= duration_s:
             break
         out.append(RequestSpec(arrival_s=t, prompt_tokens=min(row.prompt_tokens, max_prompt),
-                               max_tokens=max(1, min(row.output_tokens, max_output))))
+                               output_tokens=max(1, min(row.output_tokens, max_output))))
     return out
 
 
@@ -94,7 +115,7 @@ def synthetic_mix(*, rate_per_s: float, duration_s: float, seed: int,
             prompt = int(min(max_prompt, rng.lognormvariate(math.log(800), 0.9)))
             output = int(min(max_output, rng.lognormvariate(math.log(150), 0.7)))
         out.append(RequestSpec(arrival_s=t, prompt_tokens=max(16, prompt),
-                               max_tokens=max(1, output)))
+                               output_tokens=max(1, output)))
     return out
 
 
@@ -108,11 +129,11 @@ def hol_mix(*, rate_per_s: float, duration_s: float, seed: int) -> list[RequestS
     out = []
     for t in _poisson(rng, rate_per_s, duration_s):
         if rng.random() < 0.15:
-            out.append(RequestSpec(arrival_s=t, prompt_tokens=5000, max_tokens=1200,
+            out.append(RequestSpec(arrival_s=t, prompt_tokens=5000, output_tokens=1200,
                                    kind="long", priority="low"))
         else:
             out.append(RequestSpec(arrival_s=t, prompt_tokens=rng.randint(100, 400),
-                                   max_tokens=rng.randint(30, 80), kind="short",
+                                   output_tokens=rng.randint(30, 80), kind="short",
                                    priority="high"))
     return out
 
@@ -126,7 +147,8 @@ class PromptBuilder:
         self._overhead = counter.count_chat(empty)
         self._checked: set[int] = set()
 
-    def body(self, spec: RequestSpec, *, stream: bool = True) -> dict[str, Any]:
+    def body(self, spec: RequestSpec, *, behaviour: Behaviour = Behaviour.RECORDED,
+             stream: bool = True) -> dict[str, Any]:
         n = max(spec.prompt_tokens, self._overhead + 1)
         messages = [{"role": "user", "content": " the" * (n - self._overhead)}]
         if n not in self._checked and len(self._checked) < 64:
@@ -134,8 +156,11 @@ class PromptBuilder:
             if counted != n:
                 raise AssertionError(f"prompt built for {n} tokens counts {counted}")
             self._checked.add(n)
-        body: dict[str, Any] = {"model": MODEL, "messages": messages,
-                                "max_tokens": spec.max_tokens, "stream": stream}
+        body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": stream,
+                                "sim_output_tokens": spec.output_tokens}
+        max_tokens = behaviour.max_tokens(spec.output_tokens)
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body

@@ -84,6 +84,7 @@ class Sequence:
     prompt_tokens: int
     max_tokens: int
     target_tokens: int
+    stops_by_eos: bool = False  # reaching target_tokens means EOS ("stop"), not the cap
     generated: int = 0
     blocks: int = 0
     preemptions: int = 0
@@ -139,20 +140,39 @@ class SimEngine:
         max_tokens: int,
         out: asyncio.Queue[tuple[int, int | None]],
         index: int = 0,
+        eos_after: int | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
     ) -> Sequence:
-        """Queue one sequence; `(index, tokens so far)` then `(index, None)` arrive on `out`."""
+        """Queue one sequence; `(index, tokens so far)` then `(index, None)` arrive on `out`.
+
+        `eos_after` replays a known output length: the model "samples EOS" after that
+        many tokens. `ignore_eos` and `min_tokens` act on it as vLLM's sampling
+        parameters act on a real EOS: the first runs to max_tokens, the second never
+        stops before that many tokens.
+        """
         if prompt_tokens < 1 or max_tokens < 1:
             raise ValueError("prompt_tokens and max_tokens must be >= 1")
+        if eos_after is not None and eos_after < 1:
+            raise ValueError("eos_after must be >= 1")
+        if min_tokens < 0 or min_tokens > max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
         if not self.fits_ever(prompt_tokens, max_tokens):
             raise ValueError(
                 f"{prompt_tokens} prompt + {max_tokens} output tokens exceed the KV pool of "
                 f"{self.config.num_blocks * self.config.block_size} tokens"
             )
-        if self.config.output_length is OutputLength.MAX:
-            target = max_tokens
-        else:
+        eos: int | None = eos_after
+        if eos is None and self.config.output_length is OutputLength.LOGNORMAL:
             mu = math.log(self.config.median_output_tokens)
-            target = max(1, min(max_tokens, round(self._rng.lognormvariate(mu, 1.0))))
+            eos = max(1, round(self._rng.lognormvariate(mu, 1.0)))
+            if eos >= max_tokens:
+                eos = None  # the draw reaches the cap: "length", as before
+        if ignore_eos or eos is None:
+            target, stops_by_eos = max_tokens, False
+        else:
+            eos = max(eos, min_tokens)
+            target, stops_by_eos = min(eos, max_tokens), eos <= max_tokens
         seq = Sequence(
             seq_id=self._next_id,
             index=index,
@@ -160,6 +180,7 @@ class SimEngine:
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             target_tokens=target,
+            stops_by_eos=stops_by_eos,
         )
         self._next_id += 1
         self.prompt_tokens_total += prompt_tokens
@@ -249,7 +270,7 @@ class SimEngine:
             seq.out.put_nowait((seq.index, seq.generated))
             if seq.generated >= seq.target_tokens:
                 seq.finish_reason = (
-                    FinishReason.LENGTH if seq.generated >= seq.max_tokens else FinishReason.STOP
+                    FinishReason.STOP if seq.stops_by_eos else FinishReason.LENGTH
                 )
                 self._free(seq)
                 self.finished += 1

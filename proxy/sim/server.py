@@ -5,6 +5,11 @@ tokenizer and chat template when a model directory is given (else an estimate of
 one token per 4 characters plus 4 per message), and completion tokens equal the
 tokens streamed. Without `max_tokens` a chat request may run to the context limit
 and a completion request stops at 16, as vLLM does.
+
+Where a sequence stops: vLLM's `ignore_eos` and `min_tokens` are honoured, and the
+simulator-only field `sim_output_tokens` places the "EOS" exactly, so a benchmark can
+replay a recorded output length while the client sends whatever `max_tokens` a real
+client would (a fixed cap, or none). Without it, `--output-len` decides as before.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +79,35 @@ def _prompt_tokens(app: web.Application, req: ValidRequest) -> list[int]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Stopping:
+    """The request's stop controls, type-checked (vLLM answers 400 on wrong types)."""
+
+    eos_after: int | None
+    ignore_eos: bool
+    min_tokens: int
+
+
+def _stopping(body: Mapping[str, Any]) -> _Stopping:
+    def integer(key: str, minimum: int) -> int | None:
+        value = body.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise InvalidRequest(
+                f"`{key}` must be an integer >= {minimum}. Given: {json.dumps(value)}",
+                param=key)
+        return value
+
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise InvalidRequest(
+            f"`ignore_eos` must be a boolean. Given: {json.dumps(ignore_eos)}",
+            param="ignore_eos")
+    return _Stopping(eos_after=integer("sim_output_tokens", 1), ignore_eos=ignore_eos,
+                     min_tokens=integer("min_tokens", 0) or 0)
+
+
 def _max_tokens(req: ValidRequest, prompt_tokens: int, settings: SimSettings) -> int:
     """What the engine may generate: as asked, else vLLM's defaults."""
     if req.max_tokens is not None:
@@ -93,6 +127,7 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
     engine, settings = app[ENGINE_KEY], app[SETTINGS_KEY]
     try:
         req = validate(await request.read(), endpoint)
+        stopping = _stopping(req.body)
         prompts = _prompt_tokens(app, req)
     except KvgateError as exc:
         return _error(exc)
@@ -114,6 +149,10 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
                 f"However, you requested {p_tokens + max_tokens} tokens ({p_tokens} in the "
                 f"messages, {max_tokens} in the completion). Please reduce the length of the "
                 "messages or completion.", param="messages"))
+        if stopping.min_tokens > max_tokens:
+            return _error(InvalidRequest(
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                f"got {stopping.min_tokens}.", param="min_tokens"))
         if not engine.fits_ever(p_tokens, max_tokens):
             return _error(InvalidRequest(
                 f"{p_tokens} prompt + {max_tokens} output tokens can never fit the KV cache "
@@ -123,8 +162,10 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
         for i, p_tokens in enumerate(prompts):
             max_tokens = _max_tokens(req, p_tokens, settings)
             for j in range(req.n):
-                seqs.append(engine.submit(prompt_tokens=p_tokens, max_tokens=max_tokens,
-                                          out=out, index=i * req.n + j))
+                seqs.append(engine.submit(
+                    prompt_tokens=p_tokens, max_tokens=max_tokens, out=out,
+                    index=i * req.n + j, eos_after=stopping.eos_after,
+                    ignore_eos=stopping.ignore_eos, min_tokens=stopping.min_tokens))
         rid = f"{'chatcmpl' if endpoint is Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
         if req.stream:
             return await _stream(request, req, seqs, out, rid, sum(prompts))
