@@ -296,7 +296,7 @@ def check_config_report(path: str) -> dict[str, object]:
     config = load_config(path)
     models: list[dict[str, object]] = []
     for m in config.models:
-        load_counter(m.path, name=m.name)
+        counter = load_counter(m.path, name=m.name)
         per_token = m.deployment.kv_bytes_per_token if m.deployment else None
         full_seq = m.deployment.ledger_tokens(m.max_model_len) if m.deployment else None
         models.append({
@@ -304,6 +304,7 @@ def check_config_report(path: str) -> dict[str, object]:
             "path": str(m.path),
             "max_model_len": m.max_model_len,
             "output_policy": str(m.output.name),
+            "encoder": counter.encoder_description,
             "capacity_source": m.capacity_source,
             "kv_bytes_per_token": per_token,
             "full_context_sequences": (m.capacity_tokens // full_seq) if full_seq else None,
@@ -327,6 +328,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     for m in models:
         print(f"  model {m['name']}: max_model_len {m['max_model_len']:,}, output policy "
               f"{m['output_policy']}, capacity: {m['capacity_source']}")
+        print(f"    counting: {m['encoder']}")
         if m["kv_bytes_per_token"]:
             print(f"    KV cache per token {m['kv_bytes_per_token']:,} B per device; "
                   f"{m['full_context_sequences']} full-context sequences fit per backend")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from proxy.tokenize.cache import CacheStats
 
 __all__ = ["ChatRequest", "Encoder", "PromptCounter", "TemplateError", "TokenizerLoadError"]
 
@@ -18,8 +21,16 @@ class TemplateError(ValueError):
 
 
 class Encoder(Protocol):
+    """Text -> ids for one model; `split_rendered` + `encode_segment` give the same ids
+    as `encode_rendered`, segment by segment (what the count cache relies on)."""
+
+    description: str
+    fast: bool
+
     def encode_plain(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
     def encode_rendered(self, text: str) -> list[int]: ...
+    def split_rendered(self, text: str) -> list[str | int]: ...
+    def encode_segment(self, text: str) -> list[int]: ...
     def token_id(self, token: str) -> int | None: ...
 
 
@@ -41,6 +52,11 @@ class PromptCounter(Protocol):
 
     @property
     def has_chat_template(self) -> bool: ...
+
+    @property
+    def encoder_description(self) -> str: ...
+
+    def cache_stats(self) -> CacheStats | None: ...
 
     def count_chat(self, chat: ChatRequest) -> int: ...
 

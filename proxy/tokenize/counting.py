@@ -14,9 +14,18 @@ from typing import Any
 import jinja2
 
 from proxy.tokenize.base import ChatRequest, Encoder, TemplateError, TokenizerLoadError
+from proxy.tokenize.cache import DEFAULT_CACHE_BYTES, CacheStats, CountCache, SegmentCounter
 from proxy.tokenize.templates import PARTS_LOOP, compile_template, parse_tool_call
 
 __all__ = ["MistralTokenCounter", "TokenCounter", "count_executor"]
+
+# Counting inline on the event loop beats a thread-pool round trip (a wake-up through
+# the loop's self-pipe, two context switches) while the work is short: up to this
+# many new characters (~0.3 ms with the fast encoder, ~4,000 tokens) and this many
+# messages to render. Longer work goes to the pool, where encoding runs without
+# the GIL, so one huge prompt never stalls every other request.
+INLINE_NEW_CHARS = 16_384
+INLINE_MESSAGES = 64
 
 
 class _OffLoop:
@@ -47,9 +56,16 @@ class TokenCounter(_OffLoop):
         encoder: Encoder,
         chat_template: str | dict[str, str] | None,
         special_tokens: Mapping[str, str],
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         self.name = name
         self._encoder = encoder
+        self._segments = SegmentCounter(
+            split=encoder.split_rendered,
+            encode=encoder.encode_segment,
+            cache=CountCache(cache_bytes) if cache_bytes > 0 else None,
+        )
+        self._inline_chars = INLINE_NEW_CHARS if encoder.fast else INLINE_NEW_CHARS // 16
         self._templates: dict[str, str] = (
             chat_template
             if isinstance(chat_template, dict)
@@ -62,6 +78,15 @@ class TokenCounter(_OffLoop):
     @property
     def has_chat_template(self) -> bool:
         return bool(self._templates)
+
+    @property
+    def encoder_description(self) -> str:
+        """Which encoder counts for this model, and why (`kvgate check-config` shows it)."""
+        return self._encoder.description
+
+    def cache_stats(self) -> CacheStats | None:
+        cache = self._segments.cache
+        return cache.stats() if cache is not None else None
 
     @cached_property
     def _joins_text_parts(self) -> bool:
@@ -132,7 +157,22 @@ class TokenCounter(_OffLoop):
         return self._encoder.encode_rendered(self.render_chat(chat))
 
     def count_chat(self, chat: ChatRequest) -> int:
-        return len(self.chat_token_ids(chat))
+        return self._segments.count(self.render_chat(chat))
+
+    async def count_chat_async(self, chat: ChatRequest) -> int:
+        """Short work inline, long work in the pool (see `INLINE_NEW_CHARS`)."""
+        if len(chat.messages) > INLINE_MESSAGES:
+            return await super().count_chat_async(chat)
+        known, todo = self._segments.plan(self.render_chat(chat))
+        if sum(map(len, todo)) <= self._inline_chars:
+            return known + self._segments.finish(todo)
+        loop = asyncio.get_running_loop()
+        return known + await loop.run_in_executor(count_executor(), self._segments.finish, todo)
+
+    async def count_prompt_async(self, prompt: str | Sequence[int]) -> int:
+        if not isinstance(prompt, str) or len(prompt) <= self._inline_chars:
+            return self.count_prompt(prompt)
+        return await super().count_prompt_async(prompt)
 
     def count_prompt(self, prompt: str | Sequence[int]) -> int:
         """One completion prompt: text gets the tokenizer's BOS rule, ids count as given."""
@@ -165,6 +205,11 @@ class MistralTokenCounter(_OffLoop):
             self._tok = MistralTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises many kinds on a bad file
             raise TokenizerLoadError(f"{path} is not a usable tekken tokenizer: {exc}") from exc
+
+    encoder_description = "mistral-common (tekken)"
+
+    def cache_stats(self) -> CacheStats | None:
+        return None
 
     @property
     def has_chat_template(self) -> bool:
