@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from proxy.capacity import (
     AttentionLayout,
@@ -16,6 +17,9 @@ from proxy.capacity import (
     plan,
 )
 from proxy.units import format_bytes, parse_bytes, parse_count
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["main"]
 
@@ -278,8 +282,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         runner = await start_proxy(config)
         await serve_forever(runner, f"kvgate: listening on http://{config.server.host}:{{port}}")
 
-    asyncio.run(serve())
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(serve())
     return 0
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop, aiohttp's documented fast loop, where installed; `KVGATE_LOOP=asyncio`
+    keeps the standard loop. None means asyncio's default."""
+    import os
+
+    if os.environ.get("KVGATE_LOOP", "uvloop").strip().lower() == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
