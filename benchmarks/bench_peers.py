@@ -170,9 +170,11 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
 
 
 @contextlib.contextmanager
-def process(args: list[str], port: int, what: str) -> Iterator[subprocess.Popen[bytes]]:
+def process(args: list[str], port: int, what: str,
+            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     try:
         _wait_port(port, proc, what)
         yield proc
@@ -367,6 +369,8 @@ def main() -> None:
                         choices=["unique", "shared"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--kvgate-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="environment for kvgate, e.g. KVGATE_LOOP=asyncio KVGATE_FAST_BPE=0")
     parser.add_argument("--profile", type=Path,
                         help="record kvgate with py-spy into this file (svg, or .txt: raw)")
     args = parser.parse_args()
@@ -384,7 +388,7 @@ def main() -> None:
                      urls["direct"]], floor_port, "floor") as floor, \
             process(["-m", "proxy", "serve", "--config",
                      str(kvgate_config(Path(tmp), kv_port, urls["direct"]))], kv_port,
-                    "kvgate") as kv:
+                    "kvgate", env=dict(item.split("=", 1) for item in args.kvgate_env)) as kv:
         pids: dict[str, int | None] = {"direct": mock.pid, "floor": floor.pid, "kvgate": kv.pid}
         spy = None
         if args.profile:

@@ -15,7 +15,12 @@ import jinja2
 
 from proxy.tokenize.base import ChatRequest, Encoder, TemplateError, TokenizerLoadError
 from proxy.tokenize.cache import DEFAULT_CACHE_BYTES, CacheStats, CountCache, SegmentCounter
-from proxy.tokenize.templates import PARTS_LOOP, compile_template, parse_tool_call
+from proxy.tokenize.templates import (
+    PARTS_LOOP,
+    ChatTemplate,
+    compile_template,
+    parse_tool_call,
+)
 
 __all__ = ["MistralTokenCounter", "TokenCounter", "count_executor"]
 
@@ -26,6 +31,10 @@ __all__ = ["MistralTokenCounter", "TokenCounter", "count_executor"]
 # the GIL, so one huge prompt never stalls every other request.
 INLINE_NEW_CHARS = 16_384
 INLINE_MESSAGES = 64
+
+# What kvgate itself passes to a chat template; a request's template kwargs may not
+# override them.
+_REQUEST_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class _OffLoop:
@@ -71,7 +80,7 @@ class TokenCounter(_OffLoop):
             if isinstance(chat_template, dict)
             else ({"default": chat_template} if chat_template else {})
         )
-        self._compiled: dict[str, jinja2.Template] = {}
+        self._compiled: dict[str, ChatTemplate] = {}
         self._special_tokens = dict(special_tokens)
         self._lock = threading.Lock()
 
@@ -92,7 +101,7 @@ class TokenCounter(_OffLoop):
     def _joins_text_parts(self) -> bool:
         return not any(PARTS_LOOP.search(t) for t in self._templates.values())
 
-    def _template(self, *, tools: bool) -> jinja2.Template:
+    def _template(self, *, tools: bool) -> ChatTemplate:
         if not self._templates:
             raise TemplateError(
                 f"model {self.name!r} has no chat template; use /v1/completions with a prompt"
@@ -136,15 +145,19 @@ class TokenCounter(_OffLoop):
         if not chat.messages:
             raise TemplateError("`messages` must not be empty")
         template = self._template(tools=bool(chat.tools))
-        variables: dict[str, Any] = {**self._special_tokens, **(chat.template_kwargs or {})}
+        extra = chat.template_kwargs or {}
         try:
-            rendered: str = template.render(
-                messages=self.normalize_messages(chat.messages),
-                tools=chat.tools,
-                documents=chat.documents,
-                add_generation_prompt=chat.add_generation_prompt,
-                **variables,
-            )
+            if _REQUEST_VARIABLES & extra.keys():
+                raise TypeError(  # as apply_chat_template(**kwargs) would
+                    f"template kwargs may not set {sorted(_REQUEST_VARIABLES & extra.keys())}")
+            rendered = template.render({
+                **self._special_tokens,
+                **extra,
+                "messages": self.normalize_messages(chat.messages),
+                "tools": chat.tools,
+                "documents": chat.documents,
+                "add_generation_prompt": chat.add_generation_prompt,
+            })
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"chat template rejected the request: {exc}") from exc
         except (TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:

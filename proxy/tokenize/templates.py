@@ -11,12 +11,13 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2.runtime import new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from proxy.tokenize.base import TokenizerLoadError
 
-__all__ = ["PARTS_LOOP", "compile_template", "parse_tool_call", "read_chat_template",
-           "read_json", "special_token_text"]
+__all__ = ["PARTS_LOOP", "ChatTemplate", "compile_template", "parse_tool_call",
+           "read_chat_template", "read_json", "special_token_text"]
 
 
 def _raise_exception(message: str) -> None:
@@ -68,7 +69,28 @@ class _SafeNamespace(jinja2.utils.Namespace):
         super().__setitem__(name, value)
 
 
-def compile_template(template: str) -> jinja2.Template:
+class ChatTemplate:
+    """A compiled chat template that renders with its globals merged once.
+
+    `jinja2.Template.render` copies the environment's globals (a ChainMap) into a
+    fresh context on every call, a fifth of a short chat's render time. Here the
+    globals are flattened at compile time and the context shares the per-call dict,
+    which templates cannot modify anyway. Output is identical.
+    """
+
+    def __init__(self, template: jinja2.Template) -> None:
+        self._template = template
+        self._globals = dict(template.globals)
+
+    def render(self, variables: Mapping[str, Any]) -> str:
+        t = self._template
+        context = new_context(t.environment, t.name, t.blocks,
+                              {**self._globals, **variables}, True, None, None)
+        rendered: str = t.environment.concat(t.root_render_func(context))
+        return rendered
+
+
+def compile_template(template: str) -> ChatTemplate:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -79,7 +101,7 @@ def compile_template(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _SafeNamespace
     try:
-        return env.from_string(template)
+        return ChatTemplate(env.from_string(template))
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise TokenizerLoadError(f"chat template does not compile: {exc}") from exc
 
