@@ -36,7 +36,7 @@ from tests.support.corpus import conversations
 from tests.support.reference import hf_count, hf_tokenizer
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-FAST = ["qwen3-14b", "gpt-oss-20b"]
+FAST = ["qwen3-14b", "gpt-oss-20b", "deepseek-v3"]
 
 
 def counter_for(name: str, **kw: Any) -> TokenCounter:
@@ -72,12 +72,24 @@ def test_fast_path_is_taken_for_byte_level_families() -> None:
         assert counter_for(name).encoder_description.startswith("fast byte-level BPE")
 
 
-def test_deepseek_keeps_tokenizers_and_says_why() -> None:
-    description = counter_for("deepseek-v3").encoder_description
-    assert description == (
-        "tokenizers (fast path off: pre-tokenizer is not one Split(regex) + "
-        "ByteLevel(use_regex=False))"
+def nfkc_model(tmp_path: Path, qwen_json: dict[str, Any]) -> Path:
+    """Qwen3's files with an NFKC normalizer, which tiktoken's core cannot reproduce."""
+    (tmp_path / "tokenizer.json").write_text(
+        json.dumps(_mutated(qwen_json, ("normalizer",), {"type": "NFKC"})))
+    (tmp_path / "tokenizer_config.json").symlink_to(
+        MODELS / "qwen3-14b" / "tokenizer_config.json")
+    return tmp_path
+
+
+def test_unsupported_structure_keeps_tokenizers_and_says_why(
+    tmp_path: Path, qwen_json: dict[str, Any]
+) -> None:
+    counter = load_counter(nfkc_model(tmp_path, qwen_json))
+    assert counter.encoder_description == (
+        "tokenizers (fast path off: normalizer 'NFKC' is not NFC)"
     )
+    assert counter.count_chat(ChatRequest(messages=[{"role": "user", "content": "ﬁ ½"}])) == (
+        hf_count(hf_tokenizer(tmp_path), {"messages": [{"role": "user", "content": "ﬁ ½"}]}))
 
 
 def test_env_switch_off_forces_tokenizers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,8 +100,10 @@ def test_env_switch_off_forces_tokenizers(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_check_config_names_each_models_counting_path(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], qwen_json: dict[str, Any]
 ) -> None:
+    (tmp_path / "nfkc").mkdir()
+    model = nfkc_model(tmp_path / "nfkc", qwen_json)
     config = tmp_path / "kvgate.toml"
     config.write_text(f"""
 [[models]]
@@ -102,8 +116,8 @@ kv_tokens = 100000
 name = "a"
 url = "http://127.0.0.1:9"
 [[models]]
-name = "deepseek"
-path = "{MODELS / 'deepseek-v3'}"
+name = "nfkc"
+path = "{model}"
 max_model_len = 8192
 [models.deployment]
 kv_tokens = 100000
@@ -114,7 +128,7 @@ url = "http://127.0.0.1:9"
     assert main(["check-config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "counting: fast byte-level BPE (tiktoken core)" in out
-    assert "counting: tokenizers (fast path off: pre-tokenizer is not one Split" in out
+    assert "counting: tokenizers (fast path off: normalizer 'NFKC' is not NFC)" in out
 
 
 # ------------------------------------------------------------------ structure
@@ -137,7 +151,15 @@ def _mutated(data: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[st
         (("model", "byte_fallback"), True, "BPE dropout or byte fallback"),
         (("model", "continuing_subword_prefix"), "##", "subword prefixes"),
         (("pre_tokenizer",), {"type": "ByteLevel", "add_prefix_space": False,
-                              "use_regex": True}, "pre-tokenizer is not one Split"),
+                              "use_regex": True}, "pre-tokenizer is not Split(regex)"),
+        # a Split Python would run itself, with `\s` (Python and Oniguruma disagree on it)
+        (("pre_tokenizer",), {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "Isolated",
+             "invert": False},
+            {"type": "Split", "pattern": {"Regex": "\\p{L}+|\\s+"}, "behavior": "Isolated",
+             "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]},
+         "pre-tokenizer is not Split(regex)"),
     ],
 )
 def test_plan_refuses_structures_tiktoken_cannot_reproduce(
@@ -228,6 +250,7 @@ PIECES = [
     "0", "123", "4567", "3.14", "١٢", "１２", "'s", "'LL", "don't",
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</tool_call>",
     "<|start|>", "<|message|>", "<|im", "|>", "<｜User｜>",
+    "12345", "a1b2c3", "x²³", "東京タワー", "ひらがなカタカナ", "漢字123", "Ⅻ", "①",
     "the", "The", "HELLO", "café", "naïve", "x²", "{\"a\": 1}", "```", "->", "...",
 ]
 fuzz_text = st.lists(
@@ -260,7 +283,7 @@ def references() -> dict[str, Any]:
 def test_chat_count_equals_transformers_on_fuzzed_messages(
     references: dict[str, Any], system: str, user: str
 ) -> None:
-    """Through the cache and (for Qwen3) the fast path; DeepSeek checks the cache alone."""
+    """Through the count cache and the fast path, which DeepSeek takes with chained Splits."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     for name, reference in references.items():
         counter = shared(name)
@@ -270,6 +293,15 @@ def test_chat_count_equals_transformers_on_fuzzed_messages(
 
 
 # ------------------------------------------------------------------ cache
+
+
+def test_deepseek_pre_splits_digits_and_cjk_as_tokenizers_does() -> None:
+    encoder = counter_for("deepseek-v3")._encoder
+    assert isinstance(encoder, ByteLevelBPEEncoder)
+    assert encoder._pieces("ab 1234567 東京タワーx  9") == [
+        "ab ", "123", "456", "7", " ", "東京タワー", "x  ", "9"]
+    text = "ab 1234567 東京タワーx  9"
+    assert encoder.encode_rendered(text) == encoder._ref.encode_rendered(text)
 
 
 @pytest.mark.parametrize("name", ["qwen3-14b", "deepseek-v3", "gpt-oss-20b"])

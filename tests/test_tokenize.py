@@ -42,7 +42,7 @@ FAMILIES = [("qwen3-14b", True), ("gpt-oss-20b", True), ("deepseek-v3", False)]
 
 
 # byte-level BPE families that the fast path must accept
-FAST_FAMILIES = {"qwen3-14b", "gpt-oss-20b"}
+FAST_FAMILIES = {"qwen3-14b", "gpt-oss-20b", "deepseek-v3"}
 
 
 @pytest.fixture(scope="module", autouse=True, params=["fast", "tokenizers"])

@@ -3,11 +3,15 @@
 Qwen2/3, Llama 3 and DeepSeek-style `tokenizer.json` files are byte-level BPE: a
 regex splits text into pieces, each piece's UTF-8 bytes are merged pairwise. That
 is what tiktoken's Rust core does too, about eight times faster than `tokenizers`
-on the same text (0.145 ms vs 1.17 ms for 1,000 tokens). The two agree only when:
+on the same text (0.145 ms vs 1.17 ms for 1,000 Qwen3 tokens; DeepSeek V3, whose
+first splits run in Python, about three to four times). The two agree only when:
 
 * the normalizer is absent or NFC (NFC is applied here, per segment);
-* the pre-tokenizer is one `Split(regex, Isolated)` + `ByteLevel(use_regex=False)`,
-  so the regex can be tiktoken's `pat_str`;
+* the pre-tokenizer is `Split(regex, Isolated)` steps + `ByteLevel(use_regex=False)`:
+  the last regex becomes tiktoken's `pat_str`; earlier ones (DeepSeek V3 splits
+  digit groups and CJK runs first) run in Python with the `regex` package, and
+  must not use shorthand classes (`\\s`, `\\w`, `\\d`, `\\b`) whose meaning differs
+  between regex engines;
 * the model is plain BPE (no dropout, no byte fallback, no word prefixes/suffixes)
   whose vocab maps back to bytes through GPT-2's byte-to-unicode table, with all
   256 single bytes present;
@@ -28,6 +32,7 @@ else keeps `tokenizers`; `kvgate check-config` says which path each model takes.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import unicodedata
 from collections.abc import Mapping
@@ -61,6 +66,13 @@ PROBES: tuple[str, ...] = (
 )
 
 
+def _compile_split(pattern: str) -> Any:
+    """`regex` (not `re`) for the Split steps Python runs: it knows `\\p{N}`, `\\p{L}`."""
+    import regex
+
+    return regex.compile(pattern)
+
+
 def fast_bpe_enabled() -> bool:
     """On unless `KVGATE_FAST_BPE` is 0/false/no/off (then `tokenizers` is used)."""
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -84,6 +96,7 @@ class FastPlan:
     """What tiktoken's core needs, derived from one `tokenizer.json`."""
 
     pat_str: str
+    pre_splits: tuple[str, ...]  # earlier Split regexes, run in Python before the core
     ranks: dict[bytes, int]
     nfc: bool
     plain_adds_tokens: bool  # the post-processor adds tokens to plain prompts
@@ -105,22 +118,31 @@ def _is_nfc_or_none(normalizer: Any) -> tuple[bool, bool]:
     return False, False
 
 
-def _split_regex(pre: Any) -> str | None:
-    """The regex of `Sequence[Split(Regex, Isolated), ByteLevel(use_regex=False)]`."""
+# Shorthand classes whose meaning differs between regex engines (Python's `\s` takes
+# \x1c-\x1f, Oniguruma's does not): refused in the splits Python runs itself.
+_ENGINE_DEPENDENT = re.compile(r"(?<!\\)(?:\\\\)*\\[sSwWdDbB]")
+
+
+def _split_regexes(pre: Any) -> list[str] | None:
+    """The regexes of `Sequence[Split(Regex, Isolated)..., ByteLevel(use_regex=False)]`."""
     if not isinstance(pre, Mapping) or pre.get("type") != "Sequence":
         return None
-    steps = pre.get("pretokenizers") or []
-    if len(steps) != 2:
+    steps = list(pre.get("pretokenizers") or [])
+    if len(steps) < 2:
         return None
-    split, byte_level = steps
-    if (split.get("type") != "Split" or split.get("behavior") != "Isolated"
-            or split.get("invert") or "Regex" not in (split.get("pattern") or {})):
-        return None
+    byte_level = steps.pop()
     if (byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex", True)
             or byte_level.get("add_prefix_space")):
         return None
-    pattern: str = split["pattern"]["Regex"]
-    return pattern
+    patterns: list[str] = []
+    for split in steps:
+        if (split.get("type") != "Split" or split.get("behavior") != "Isolated"
+                or split.get("invert") or "Regex" not in (split.get("pattern") or {})):
+            return None
+        patterns.append(split["pattern"]["Regex"])
+    if any(_ENGINE_DEPENDENT.search(p) for p in patterns[:-1]):
+        return None
+    return patterns
 
 
 def _post_adds_tokens(post: Any) -> bool:
@@ -139,9 +161,10 @@ def plan_fast_bpe(tokenizer_json: Mapping[str, Any],
     nfc_ok, nfc = _is_nfc_or_none(tokenizer_json.get("normalizer"))
     if not nfc_ok:
         return f"normalizer {tokenizer_json.get('normalizer', {}).get('type')!r} is not NFC"
-    pattern = _split_regex(tokenizer_json.get("pre_tokenizer"))
-    if pattern is None:
-        return "pre-tokenizer is not one Split(regex) + ByteLevel(use_regex=False)"
+    patterns = _split_regexes(tokenizer_json.get("pre_tokenizer"))
+    if patterns is None:
+        return "pre-tokenizer is not Split(regex)... + ByteLevel(use_regex=False)"
+    *pre_splits, pattern = patterns
     model = tokenizer_json.get("model") or {}
     if model.get("type") != "BPE":
         return f"model type {model.get('type')!r} is not BPE"
@@ -175,7 +198,7 @@ def plan_fast_bpe(tokenizer_json: Mapping[str, Any],
     # A catch-all for text the regex does not match: `Split(Isolated)` keeps such
     # gaps as pieces, tiktoken would drop them. Never reached for total patterns.
     pat_str = f"{pattern}|(?:(?!(?:{pattern}))[\\s\\S])+"
-    return FastPlan(pat_str=pat_str, ranks=ranks, nfc=nfc,
+    return FastPlan(pat_str=pat_str, pre_splits=tuple(pre_splits), ranks=ranks, nfc=nfc,
                     plain_adds_tokens=_post_adds_tokens(tokenizer_json.get("post_processor")))
 
 
@@ -185,9 +208,11 @@ def _vocab_merges_to_itself(reference: HFEncoder, tokenizer_json: Mapping[str, A
     if model.get("ignore_merges"):
         return True
     bpe = reference.tokenizer.model
+    added = reference.added_tokens or {}
     return all(
         len(pieces := bpe.tokenize(token)) == 1 and pieces[0].value == token
         for token in model["vocab"]
+        if token not in added  # split out before the model sees text
     )
 
 
@@ -198,10 +223,12 @@ class ByteLevelBPEEncoder:
     so errors stay those of `tokenizers`.
     """
 
-    def __init__(self, *, reference: HFEncoder, core: Any, nfc: bool,
-                 plain_adds_tokens: bool, splitter: SpecialSplitter) -> None:
+    def __init__(self, *, reference: HFEncoder, core: Any, plan: FastPlan,
+                 splitter: SpecialSplitter) -> None:
         self._ref = reference
         self._core_encode = core._core_bpe.encode_ordinary
+        self._pre_splits = [_compile_split(p) for p in plan.pre_splits]
+        nfc, plain_adds_tokens = plan.nfc, plan.plain_adds_tokens
         self._nfc = nfc
         self._plain_adds_tokens = plain_adds_tokens
         self.splitter = splitter
@@ -212,10 +239,35 @@ class ByteLevelBPEEncoder:
         if self._nfc and not text.isascii():
             text = unicodedata.normalize("NFC", text)
         try:
-            ids: list[int] = self._core_encode(text)
+            if not self._pre_splits:
+                ids: list[int] = self._core_encode(text)
+                return ids
+            ids = []
+            for piece in self._pieces(text):
+                ids += self._core_encode(piece)
+            return ids
         except UnicodeEncodeError:
             return self._ref.encode_segment(text)
-        return ids
+
+    def _pieces(self, text: str) -> list[str]:
+        """`Split(Isolated)` steps before the last: matches and the gaps between them
+        both become pieces, and each step splits every piece of the one before."""
+        pieces = [text]
+        for pattern in self._pre_splits:
+            out: list[str] = []
+            for piece in pieces:
+                pos = 0
+                for m in pattern.finditer(piece):
+                    start, end = m.span()
+                    if start > pos:
+                        out.append(piece[pos:start])
+                    if end > start:
+                        out.append(piece[start:end])
+                    pos = end
+                if pos < len(piece):
+                    out.append(piece[pos:])
+            pieces = out
+        return pieces
 
     def split_rendered(self, text: str) -> list[str | int]:
         return self.splitter.split(text)
@@ -285,9 +337,13 @@ def try_fast(path: Path, tokenizer_json: Mapping[str, Any],
     if isinstance(built, str):
         return None, built
     core, plan = built
-    fast = ByteLevelBPEEncoder(reference=reference, core=core, nfc=plan.nfc,
-                               plain_adds_tokens=plan.plain_adds_tokens,
-                               splitter=reference.splitter)
+    try:
+        fast = ByteLevelBPEEncoder(reference=reference, core=core, plan=plan,
+                                   splitter=reference.splitter)
+    except ImportError:
+        return None, "the `regex` package is needed for chained Split pre-tokenizers"
+    except Exception as exc:  # a pattern the `regex` package refuses
+        return None, f"a Split pattern does not compile in Python: {exc}"
     for i, probe in enumerate(PROBES):
         for text in (probe, " " + probe, probe + "\n", probe.upper()):
             if fast.encode_rendered(text) != reference.encode_rendered(text):
