@@ -170,9 +170,9 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
 
 
 @contextlib.contextmanager
-def process(args: list[str], port: int, what: str,
-            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+def process(args: list[str], port: int, what: str, env: dict[str, str] | None = None,
+            cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, **(env or {})})
     try:
@@ -260,6 +260,7 @@ async def load(session: aiohttp.ClientSession, url: str, payloads: list[bytes],
 
 
 TARGETS = ("direct", "floor", "kvgate")
+BASELINE = "baseline"  # --baseline DIR: another kvgate checkout, e.g. before a change
 
 
 async def run_all(urls: dict[str, str], pids: dict[str, int | None],
@@ -273,15 +274,15 @@ async def run_all(urls: dict[str, str], pids: dict[str, int | None],
             for stream in (False, True):
                 for conc in args.concurrency:
                     n = args.requests if conc > 1 else max(50, args.requests // 4)
-                    cells: dict[str, Cell] = {t: Cell() for t in TARGETS}
+                    cells: dict[str, Cell] = {t: Cell() for t in urls}
                     # warm up connections, the kvgate template, the count cache
-                    for target in TARGETS:
+                    for target in urls:
                         warm = bodies(workload, min(n, 2 * conc), stream=stream,
                                       max_tokens=args.max_tokens, seed=seed)
                         seed += 1
                         await load(session, urls[target], warm, conc, None)
                     for _ in range(args.rounds):  # interleave so drift hits every target
-                        for target in TARGETS:
+                        for target in urls:
                             payloads = bodies(workload, n // args.rounds, stream=stream,
                                               max_tokens=args.max_tokens, seed=seed)
                             seed += 1
@@ -323,20 +324,26 @@ def _row(workload: str, stream: bool, conc: int, cells: dict[str, Cell]) -> dict
 HEADER = (f"{'workload':<8} {'mode':<6} {'c':>3} | {'direct':>7} | {'floor':>7} {'/dir':>5} "
           f"{'cpu ms':>6} {'+p50':>6} {'+p99':>6} | {'kvgate':>7} {'/dir':>5} {'/floor':>6} "
           f"{'cpu ms':>6} {'+p50':>6} {'+p99':>6}")
+BASELINE_HEADER = f" | {'baseline':>8} {'/floor':>6} {'cpu ms':>6} {'+p50':>6}"
 
 
 def _print_row(row: dict[str, Any]) -> None:
     f, k, d = row["floor"], row["kvgate"], row["direct"]
-    errors = sum(row[t]["errors"] for t in TARGETS)
+    errors = sum(row[t]["errors"] for t in (*TARGETS, BASELINE) if t in row)
+    b = row.get(BASELINE)
+    base = (f" | {b['rps']:>8,.0f} {b['vs_floor']:>6.2f} {b['cpu_ms_per_request']:>6.2f} "
+            f"{b['added_p50_ms']:>6.2f}" if b else "")
     print(f"{row['workload']:<8} {'stream' if row['stream'] else 'json':<6} "
           f"{row['concurrency']:>3} | {d['rps']:>7,.0f} | {f['rps']:>7,.0f} "
           f"{f['vs_direct']:>5.2f} {f['cpu_ms_per_request']:>6.2f} {f['added_p50_ms']:>6.2f} "
           f"{f['added_p99_ms']:>6.2f} | {k['rps']:>7,.0f} {k['vs_direct']:>5.2f} "
           f"{k['vs_floor']:>6.2f} {k['cpu_ms_per_request']:>6.2f} {k['added_p50_ms']:>6.2f} "
-          f"{k['added_p99_ms']:>6.2f}" + (f"  ERRORS {errors}" if errors else ""), flush=True)
+          f"{k['added_p99_ms']:>6.2f}" + base + (f"  ERRORS {errors}" if errors else ""),
+          flush=True)
 
 
 def kvgate_config(tmp: Path, port: int, upstream: str) -> Path:
+    tmp.mkdir(exist_ok=True)
     config = tmp / "kvgate.toml"
     config.write_text(f"""
 [server]
@@ -371,15 +378,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--kvgate-env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="environment for kvgate, e.g. KVGATE_LOOP=asyncio KVGATE_FAST_BPE=0")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also run kvgate from this checkout (e.g. `git archive` of main)")
     parser.add_argument("--profile", type=Path,
                         help="record kvgate with py-spy into this file (svg, or .txt: raw)")
     args = parser.parse_args()
     if args.role:
         serve_role(args.role, args.port, args.upstream)
         return
-    mock_port, floor_port, kv_port = free_port(), free_port(), free_port()
+    mock_port, floor_port, kv_port, base_port = free_port(), free_port(), free_port(), free_port()
     urls = {t: f"http://127.0.0.1:{p}" for t, p in
             (("direct", mock_port), ("floor", floor_port), ("kvgate", kv_port))}
+    if args.baseline:
+        urls[BASELINE] = f"http://127.0.0.1:{base_port}"
     me = str(Path(__file__).resolve())
     with tempfile.TemporaryDirectory() as tmp, \
             process([me, "--role", "mock", "--port", str(mock_port)], mock_port,
@@ -390,6 +401,13 @@ def main() -> None:
                      str(kvgate_config(Path(tmp), kv_port, urls["direct"]))], kv_port,
                     "kvgate", env=dict(item.split("=", 1) for item in args.kvgate_env)) as kv:
         pids: dict[str, int | None] = {"direct": mock.pid, "floor": floor.pid, "kvgate": kv.pid}
+        baseline = contextlib.ExitStack()
+        if args.baseline:
+            base = baseline.enter_context(process(
+                ["-m", "proxy", "serve", "--config",
+                 str(kvgate_config(Path(tmp) / "base", base_port, urls["direct"]))],
+                base_port, "baseline kvgate", cwd=args.baseline.resolve()))
+            pids[BASELINE] = base.pid
         spy = None
         if args.profile:
             exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -400,7 +418,7 @@ def main() -> None:
         print(f"{args.requests} requests per target per cell in {args.rounds} interleaved "
               f"rounds; max_tokens {args.max_tokens}; proxy CPU from /proc; +p50/+p99 over "
               "direct in ms")
-        print(HEADER)
+        print(HEADER + (BASELINE_HEADER if args.baseline else ""))
         try:
             with asyncio.Runner(loop_factory=new_loop) as runner:
                 rows = runner.run(run_all(urls, pids, args))
@@ -408,6 +426,7 @@ def main() -> None:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(timeout=60)
+            baseline.close()
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
 
