@@ -6,7 +6,8 @@ is what tiktoken's Rust core does too, about eight times faster than `tokenizers
 on the same text (0.145 ms vs 1.17 ms for 1,000 Qwen3 tokens; DeepSeek V3, whose
 first splits run in Python, about three to four times). The two agree only when:
 
-* the normalizer is absent or NFC (NFC is applied here, per segment);
+* the normalizer is absent or NFC (applied here per segment, by the reference's own
+  normalizer, so both follow the same Unicode version);
 * the pre-tokenizer is `Split(regex, Isolated)` steps + `ByteLevel(use_regex=False)`:
   the last regex becomes tiktoken's `pat_str`; earlier ones (DeepSeek V3 splits
   digit groups and CJK runs first) run in Python with the `regex` package, and
@@ -34,7 +35,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +71,33 @@ def _compile_split(pattern: str) -> Any:
     import regex
 
     return regex.compile(pattern)
+
+
+_unassigned: re.Pattern[str] | None = None
+
+
+def _unassigned_chars() -> re.Pattern[str]:
+    """Characters Python's Unicode tables do not assign (3.11: Unicode 14.0).
+
+    The `regex` package follows a newer Unicode than Oniguruma: digits added since
+    (U+11DE0..U+11DE9) are `\\p{N}` to one and nothing to the other. Text with a
+    character this old table does not know is left to `tokenizers`.
+    """
+    global _unassigned
+    if _unassigned is None:
+        import unicodedata
+
+        ranges: list[str] = []
+        start = None
+        for cp in range(0x110001):
+            unassigned = cp < 0x110000 and unicodedata.category(chr(cp)) == "Cn"
+            if unassigned and start is None:
+                start = cp
+            elif not unassigned and start is not None:
+                ranges.append(f"{re.escape(chr(start))}-{re.escape(chr(cp - 1))}")
+                start = None
+        _unassigned = re.compile(f"[{''.join(ranges)}]")
+    return _unassigned
 
 
 def fast_bpe_enabled() -> bool:
@@ -228,20 +255,27 @@ class ByteLevelBPEEncoder:
         self._ref = reference
         self._core_encode = core._core_bpe.encode_ordinary
         self._pre_splits = [_compile_split(p) for p in plan.pre_splits]
-        nfc, plain_adds_tokens = plan.nfc, plan.plain_adds_tokens
-        self._nfc = nfc
+        self._unassigned = _unassigned_chars() if self._pre_splits else None
+        plain_adds_tokens = plan.plain_adds_tokens
+        # NFC through the reference's own normalizer: Python's unicodedata follows
+        # another Unicode version (3.11: 14.0), and a combining class it knows and
+        # `tokenizers` does not reorders marks differently ("A\u1dd9\u1ac0").
+        self._normalize = reference.tokenizer.normalizer.normalize_str if plan.nfc else None
         self._plain_adds_tokens = plain_adds_tokens
         self.splitter = splitter
         self.description = "fast byte-level BPE (tiktoken core), checked against tokenizers"
         self.fast = True
 
     def encode_segment(self, text: str) -> list[int]:
-        if self._nfc and not text.isascii():
-            text = unicodedata.normalize("NFC", text)
+        if self._normalize is not None and not text.isascii():
+            text = self._normalize(text)
         try:
             if not self._pre_splits:
                 ids: list[int] = self._core_encode(text)
                 return ids
+            if (self._unassigned is not None and not text.isascii()
+                    and self._unassigned.search(text)):
+                return self._ref.encode_segment(text)
             ids = []
             for piece in self._pieces(text):
                 ids += self._core_encode(piece)
