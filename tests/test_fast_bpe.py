@@ -298,6 +298,19 @@ def test_fast_equals_tokenizers_on_random_unicode(
     assert mismatches == []
 
 
+def test_lone_surrogate_fails_as_tokenizers_fails(
+    fast_pair: tuple[ByteLevelBPEEncoder, HFEncoder]
+) -> None:
+    """JSON may carry a lone surrogate; both paths refuse it the same way."""
+    fast, reference = fast_pair
+    for text in ("a\ud800b", "é\udfff"):
+        with pytest.raises(TypeError) as theirs:
+            reference.encode_rendered(text)
+        with pytest.raises(TypeError) as ours:
+            fast.encode_rendered(text)
+        assert str(ours.value) == str(theirs.value)
+
+
 PIECES = [
     "😀", "🏳️\u200d🌈", "👩\u200d💻", "🇯🇵", "東京", "数学", "한국어", "Привет", "مرحبا",
     "e\u0301", "a\u0308", "\u0338", ">\u0338", "A\u030a", "\u212b", "ﬁ", "½",

@@ -267,9 +267,10 @@ class ByteLevelBPEEncoder:
         self.fast = True
 
     def encode_segment(self, text: str) -> list[int]:
-        if self._normalize is not None and not text.isascii():
-            text = self._normalize(text)
+        original = text
         try:
+            if self._normalize is not None and not text.isascii():
+                text = self._normalize(text)  # NFC is idempotent: the reference may redo it
             if not self._pre_splits:
                 ids: list[int] = self._core_encode(text)
                 return ids
@@ -280,8 +281,8 @@ class ByteLevelBPEEncoder:
             for piece in self._pieces(text):
                 ids += self._core_encode(piece)
             return ids
-        except UnicodeEncodeError:
-            return self._ref.encode_segment(text)
+        except UnicodeEncodeError:  # lone surrogates: whatever `tokenizers` does with them
+            return self._ref.encode_segment(original)
 
     def _pieces(self, text: str) -> list[str]:
         """`Split(Isolated)` steps before the last: matches and the gaps between them
