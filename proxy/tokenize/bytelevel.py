@@ -256,12 +256,11 @@ class ByteLevelBPEEncoder:
         self._core_encode = core._core_bpe.encode_ordinary
         self._pre_splits = [_compile_split(p) for p in plan.pre_splits]
         self._unassigned = _unassigned_chars() if self._pre_splits else None
-        plain_adds_tokens = plan.plain_adds_tokens
         # NFC through the reference's own normalizer: Python's unicodedata follows
         # another Unicode version (3.11: 14.0), and a combining class it knows and
         # `tokenizers` does not reorders marks differently ("A\u1dd9\u1ac0").
         self._normalize = reference.tokenizer.normalizer.normalize_str if plan.nfc else None
-        self._plain_adds_tokens = plain_adds_tokens
+        self._plain_adds_tokens = plan.plain_adds_tokens
         self.splitter = splitter
         self.description = "fast byte-level BPE (tiktoken core), checked against tokenizers"
         self.fast = True

@@ -26,7 +26,7 @@ __all__ = ["MistralTokenCounter", "TokenCounter", "count_executor"]
 
 # Counting inline on the event loop beats a thread-pool round trip (a wake-up through
 # the loop's self-pipe, two context switches) while the work is short: up to this
-# many new characters (~0.3 ms with the fast encoder, ~4,000 tokens) and this many
+# many new characters (~0.5 ms with the fast encoder, ~3,600 English tokens) and this many
 # messages to render. Longer work goes to the pool, where encoding runs without
 # the GIL, so one huge prompt never stalls every other request.
 INLINE_NEW_CHARS = 16_384
