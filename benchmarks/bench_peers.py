@@ -19,7 +19,9 @@ Every server runs as its own process on 127.0.0.1 (uvloop where installed, as
 kvgate does); this process is the closed-loop client. Every cell is bounded in
 requests and in time.
 
-    .venv/bin/python -m benchmarks.bench_peers [--requests 600] [--quick]
+    .venv/bin/python -m benchmarks.bench_peers [--requests 600] [--concurrency 1 16 64]
+    .venv/bin/python -m benchmarks.bench_peers --baseline /tmp/kvgate-main  # a 2nd checkout
+    .venv/bin/python -m benchmarks.bench_peers --kvgate-env KVGATE_FAST_BPE=0
     .venv/bin/python -m benchmarks.bench_peers --profile kvgate.svg   # py-spy, if installed
 """
 
