@@ -1,8 +1,15 @@
-"""Token-count throughput: kvgate's full chat count path vs the raw tokenizer library.
+"""Token-count throughput: kvgate's count paths vs the raw `tokenizers` library.
 
-Both sides run in the same process on the same prompts; the ratio is what matters on
-a shared, noisy machine. The count path renders the chat template and encodes; the
-raw side only encodes the already-rendered text with `tokenizers`.
+All sides run in the same process on the same prompts, rounds alternating; the
+ratio to raw `tokenizers` is what matters on a shared, noisy machine.
+
+* `raw tokenizers`: `Tokenizer.encode` of the already-rendered text;
+* `fast encode`: the fast byte-level BPE encoder (tiktoken's core) on the same text;
+* `count, fast`: the full chat count path (render the template, split on special
+  tokens, encode) on the fast path, count cache off;
+* `count, tokenizers`: the same with `KVGATE_FAST_BPE=0`, count cache off;
+* `count, shared sys`: the fast path with the count cache on, every chat a shared
+  system prompt of the given size plus a new 40-word user message.
 
     .venv/bin/python -m benchmarks.bench_tokenize [--rounds 5]
 """
@@ -10,14 +17,17 @@ raw side only encodes the already-rendered text with `tokenizers`.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from proxy.tokenize import ChatRequest, load_counter
+from proxy.tokenize import ChatRequest, TokenCounter, load_counter
+from proxy.tokenize.bytelevel import ENV_SWITCH
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 VOCAB = (
@@ -37,33 +47,77 @@ def prompts(n: int, words: int, seed: int = 7) -> list[ChatRequest]:
     ]
 
 
+def shared_system(n: int, words: int, seed: int = 11) -> list[ChatRequest]:
+    rng = random.Random(seed)
+    system = " ".join(rng.choice(VOCAB) for _ in range(words))
+    return [
+        ChatRequest(messages=[
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"{i}: " + " ".join(rng.choice(VOCAB) for _ in range(40))},
+        ])
+        for i in range(n)
+    ]
+
+
+def load(model: str, *, fast: bool, cache_bytes: int) -> TokenCounter:
+    os.environ[ENV_SWITCH] = "1" if fast else "0"
+    try:
+        counter = load_counter(MODELS / model, cache_bytes=cache_bytes)
+    finally:
+        os.environ.pop(ENV_SWITCH, None)
+    assert isinstance(counter, TokenCounter)
+    return counter
+
+
+def row(args: argparse.Namespace, words: int, fast: TokenCounter, slow: TokenCounter,
+        raw: Tokenizer) -> str:
+    """One line of the table: every path on the same prompts of about `words` words."""
+    batch = prompts(20, words)
+    rendered = [fast.render_chat(c) for c in batch]
+    tokens = sum(fast.count_chat(c) for c in batch)
+    assert tokens == sum(slow.count_chat(c) for c in batch)
+    shared = shared_system(20, words)
+    shared_tokens = sum(fast.count_chat(c) for c in shared)
+    cached = load(args.model, fast=True, cache_bytes=64 * 2**20)
+    cached.count_chat(shared[0])  # the system prompt is in the cache from here on
+    encoder = fast._encoder
+    runs: dict[str, tuple[Callable[[], object], int]] = {
+        "raw": (lambda: [raw.encode(t, add_special_tokens=False) for t in rendered], tokens),
+        "fast_encode": (lambda: [encoder.encode_rendered(t) for t in rendered], tokens),
+        "count_fast": (lambda: [fast.count_chat(c) for c in batch], tokens),
+        "count_tokenizers": (lambda: [slow.count_chat(c) for c in batch], tokens),
+        "count_shared": (lambda: [cached.count_chat(c) for c in shared], shared_tokens),
+    }
+    rates: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for key, (fn, n_tokens) in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            rates[key].append(n_tokens / (time.perf_counter() - t0))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    base = med["raw"]
+    cells = " ".join(
+        f"{med[k]:>10,.0f} {med[k] / base:>4.1f}x".rjust(width)
+        for k, width in (("fast_encode", 16), ("count_fast", 16),
+                         ("count_tokenizers", 18), ("count_shared", 18))
+    )
+    return f"{tokens // len(batch):>14,} {base:>15,.0f} {cells}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", default="qwen3-14b")
     args = parser.parse_args()
-    counter = load_counter(MODELS / args.model)
+    fast = load(args.model, fast=True, cache_bytes=0)
+    slow = load(args.model, fast=False, cache_bytes=0)
     raw = Tokenizer.from_file(str(MODELS / args.model / "tokenizer.json"))
-    print(f"model {args.model}; median of {args.rounds} rounds, alternating")
-    print(f"{'prompt tokens':>14} {'count path tok/s':>17} {'raw tok/s':>12} {'ratio':>7}")
+    print(f"model {args.model} ({fast.encoder_description}); tokens/s, median of "
+          f"{args.rounds} alternating rounds; x = ratio to raw tokenizers")
+    print(f"{'prompt tokens':>14} {'raw tokenizers':>15} {'fast encode':>16} "
+          f"{'count, fast':>16} {'count, tokenizers':>18} {'count, shared sys':>18}")
     for words in (200, 1000, 4000):
-        batch = prompts(20, words)
-        rendered = [counter.render_chat(c) for c in batch]
-        tokens = sum(counter.count_chat(c) for c in batch)
-        ours, theirs = [], []
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            for c in batch:
-                counter.count_chat(c)
-            t1 = time.perf_counter()
-            for text in rendered:
-                raw.encode(text, add_special_tokens=False)
-            t2 = time.perf_counter()
-            ours.append(tokens / (t1 - t0))
-            theirs.append(tokens / (t2 - t1))
-        a, b = statistics.median(ours), statistics.median(theirs)
-        print(f"{tokens // len(batch):>14,} {a:>17,.0f} {b:>12,.0f} {a / b:>7.3f}")
-
+        print(row(args, words, fast, slow, raw))
 
 if __name__ == "__main__":
     main()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from proxy.capacity import (
     AttentionLayout,
@@ -16,6 +17,9 @@ from proxy.capacity import (
     plan,
 )
 from proxy.units import format_bytes, parse_bytes, parse_count
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["main"]
 
@@ -285,8 +289,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         runner = await start_proxy(config)
         await serve_forever(runner, f"kvgate: listening on http://{config.server.host}:{{port}}")
 
-    asyncio.run(serve())
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(serve())
     return 0
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop, aiohttp's documented fast loop, where installed; `KVGATE_LOOP=asyncio`
+    keeps the standard loop. None means asyncio's default."""
+    import os
+
+    if os.environ.get("KVGATE_LOOP", "uvloop").strip().lower() == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -303,7 +323,7 @@ def check_config_report(path: str) -> dict[str, object]:
     config = load_config(path)
     models: list[dict[str, object]] = []
     for m in config.models:
-        load_counter(m.path, name=m.name)
+        counter = load_counter(m.path, name=m.name)
         per_token = m.deployment.kv_bytes_per_token if m.deployment else None
         full_seq = m.deployment.ledger_tokens(m.max_model_len) if m.deployment else None
         models.append({
@@ -311,6 +331,7 @@ def check_config_report(path: str) -> dict[str, object]:
             "path": str(m.path),
             "max_model_len": m.max_model_len,
             "output_policy": str(m.output.name),
+            "encoder": counter.encoder_description,
             "capacity_source": m.capacity_source,
             "kv_bytes_per_token": per_token,
             "full_context_sequences": (m.capacity_tokens // full_seq) if full_seq else None,
@@ -334,6 +355,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     for m in models:
         print(f"  model {m['name']}: max_model_len {m['max_model_len']:,}, output policy "
               f"{m['output_policy']}, capacity: {m['capacity_source']}")
+        print(f"    counting: {m['encoder']}")
         if m["kv_bytes_per_token"]:
             print(f"    KV cache per token {m['kv_bytes_per_token']:,} B per device; "
                   f"{m['full_context_sequences']} full-context sequences fit per backend")

@@ -4,9 +4,13 @@ from the config and codes from the error contract, never raw request strings.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from enum import StrEnum
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE", "Metrics", "Outcome"]
 
@@ -83,6 +87,7 @@ class Metrics:
                                 ["backend"], registry=r)
         self._peaks: dict[str, int] = {}
         self._headroom: dict[str, int] = {}
+        self._count_cache: _CountCacheCollector | None = None
 
     def backend_configured(self, backend: str, capacity_tokens: int) -> None:
         self._capacity.labels(backend).set(capacity_tokens)
@@ -152,3 +157,47 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    # --- count cache (proxy.tokenize.cache): read at scrape time, per model
+    def watch_count_cache(self, model: str, stats: Callable[[], _CacheStats | None]) -> None:
+        """Export `kvgate_count_cache_{hits,misses}_total` and `_bytes` for one model."""
+        if self._count_cache is None:
+            self._count_cache = _CountCacheCollector()
+            self.registry.register(self._count_cache)
+        self._count_cache.sources[model] = stats
+
+
+class _CacheStats(Protocol):
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
+    @property
+    def size_bytes(self) -> int: ...
+
+
+class _CountCacheCollector(Collector):
+    """The cache keeps its own counters (it lives in the counting threads); a collector
+    reads them at scrape time instead of paying a metric update per lookup."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, Callable[[], _CacheStats | None]] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        hits = CounterMetricFamily("kvgate_count_cache_hits",
+                                   "Prompt segments whose count came from the cache",
+                                   labels=["model"])
+        misses = CounterMetricFamily("kvgate_count_cache_misses",
+                                     "Prompt segments encoded because they were not cached",
+                                     labels=["model"])
+        size = GaugeMetricFamily("kvgate_count_cache_bytes",
+                                 "Memory held by the count cache (approximate)",
+                                 labels=["model"])
+        for model, source in self.sources.items():
+            stats = source()
+            if stats is None:
+                continue
+            hits.add_metric([model], stats.hits)
+            misses.add_metric([model], stats.misses)
+            size.add_metric([model], stats.size_bytes)
+        yield from (hits, misses, size)

@@ -751,7 +751,9 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(config: KvgateConfig, *, ledger: Ledger | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware])
-    app[STATE_KEY] = ProxyState(config, ledger or make_ledger(config), Metrics())
+    app[STATE_KEY] = state = ProxyState(config, ledger or make_ledger(config), Metrics())
+    for name, runtime in state.models.items():
+        state.metrics.watch_count_cache(name, runtime.counter.cache_stats)
     app.cleanup_ctx.append(_ledger_ctx)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_health_ctx)

@@ -1,4 +1,8 @@
-"""Exact prompt counts against transformers' apply_chat_template on real tokenizers."""
+"""Exact prompt counts against transformers' apply_chat_template on real tokenizers.
+
+Every test here runs twice: with the fast byte-level BPE path where a model
+qualifies, and with `KVGATE_FAST_BPE=0` forcing `tokenizers` everywhere.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from proxy.tokenize import (
     TokenizerLoadError,
     load_counter,
 )
+from proxy.tokenize.bytelevel import ENV_SWITCH
 from proxy.validation import parse_chat_file
 from tests.support.corpus import WEATHER_TOOL, conversations
 from tests.support.reference import hf_count, hf_tokenizer
@@ -36,10 +41,25 @@ SAMPLE = [
 FAMILIES = [("qwen3-14b", True), ("gpt-oss-20b", True), ("deepseek-v3", False)]
 
 
+# byte-level BPE families that the fast path must accept
+FAST_FAMILIES = {"qwen3-14b", "gpt-oss-20b", "deepseek-v3"}
+
+
+@pytest.fixture(scope="module", autouse=True, params=["fast", "tokenizers"])
+def encoder_path(request: pytest.FixtureRequest) -> Any:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_SWITCH, "1" if request.param == "fast" else "0")
+        yield request.param
+
+
 @pytest.fixture(scope="module", params=[f[0] for f in FAMILIES])
-def pair(request: pytest.FixtureRequest) -> tuple[str, TokenCounter, Any]:
+def pair(request: pytest.FixtureRequest, encoder_path: str) -> tuple[str, TokenCounter, Any]:
     name: str = request.param
-    return name, load_counter(MODELS / name), hf_tokenizer(MODELS / name)
+    counter = load_counter(MODELS / name)
+    assert isinstance(counter, TokenCounter)
+    fast = encoder_path == "fast" and name in FAST_FAMILIES
+    assert counter.encoder_description.startswith("fast" if fast else "tokenizers")
+    return name, counter, hf_tokenizer(MODELS / name)
 
 
 def as_chat(req: dict[str, Any]) -> ChatRequest:

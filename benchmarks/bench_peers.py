@@ -1,0 +1,437 @@
+"""kvgate next to its peers: direct, a minimal aiohttp pass-through proxy, and kvgate.
+
+Three targets in one run, interleaved cell by cell so machine noise hits all of them:
+
+* `direct`: a zero-delay OpenAI-compatible mock (answers at once; streams
+  `max_tokens` SSE chunks back to back);
+* `floor`: the thinnest useful Python proxy, aiohttp in and out with one shared
+  `ClientSession` and nothing else; what any Python proxy pays before doing work;
+* `kvgate`: `kvgate serve` with the memory ledger and the bundled Qwen3 tokenizer,
+  one backend with room for everything, so nothing queues.
+
+Workloads: (a) `unique`: a different ~1,000-token prompt per request; (b) `shared`:
+one ~1,000-token system prompt plus a new ~50-token user message per request, as
+chats with a common system prompt send. At concurrency 1, 16 and 64, JSON and
+streaming. Reported per cell: req/s, ratio to direct and to the floor, the proxy
+process's CPU ms per request (from /proc), added p50/p99 latency over direct.
+
+Every server runs as its own process on 127.0.0.1 (uvloop where installed, as
+kvgate does); this process is the closed-loop client. Every cell is bounded in
+requests and in time.
+
+    .venv/bin/python -m benchmarks.bench_peers [--requests 600] [--concurrency 1 16 64]
+    .venv/bin/python -m benchmarks.bench_peers --baseline /tmp/kvgate-main  # a 2nd checkout
+    .venv/bin/python -m benchmarks.bench_peers --kvgate-env KVGATE_FAST_BPE=0
+    .venv/bin/python -m benchmarks.bench_peers --profile kvgate.svg   # py-spy, if installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "models" / "qwen3-14b"
+MODEL = "qwen3-14b"
+CELL_TIMEOUT_S = 120.0
+VOCAB = (
+    "the quick brown fox jumps over a lazy dog while the cache holds tokens for every "
+    "request in flight and the scheduler decides who runs next on the GPU memory budget "
+    "latency throughput admission queue deadline prompt answer model server proxy"
+).split()
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where installed (aiohttp's documented fast loop), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def mock_app() -> web.Application:
+    """A zero-delay OpenAI-compatible chat endpoint: the ceiling every proxy is held to."""
+    created = int(time.time())
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n_out = int(body.get("max_tokens") or 16)
+        usage = {"prompt_tokens": 1000, "completion_tokens": n_out,
+                 "total_tokens": 1000 + n_out}
+        if not body.get("stream"):
+            return web.json_response({
+                "id": "cmpl-mock", "object": "chat.completion", "created": created,
+                "model": body.get("model"),
+                "choices": [{"index": 0, "finish_reason": "length",
+                             "message": {"role": "assistant", "content": "tok " * n_out}}],
+                "usage": usage,
+            })
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = json.dumps({"id": "cmpl-mock", "object": "chat.completion.chunk",
+                            "created": created, "model": body.get("model"),
+                            "choices": [{"index": 0, "delta": {"content": "tok "},
+                                         "finish_reason": None}]})
+        line = f"data: {chunk}\n\n".encode()
+        for _ in range(n_out):
+            await resp.write(line)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return app
+
+
+def floor_app(upstream: str) -> web.Application:
+    """A pass-through proxy with nothing in it: read, forward, stream back."""
+    session_key = web.AppKey("session", aiohttp.ClientSession)
+    hop = {"content-length", "transfer-encoding", "connection", "keep-alive"}
+
+    async def ctx(app: web.Application) -> Any:
+        app[session_key] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None))
+        yield
+        await app[session_key].close()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        async with request.app[session_key].post(
+            upstream + "/v1/chat/completions", data=body,
+            headers={"Content-Type": "application/json"},
+        ) as up:
+            resp = web.StreamResponse(status=up.status, headers={
+                k: v for k, v in up.headers.items() if k.lower() not in hop})
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    app = web.Application()
+    app.cleanup_ctx.append(ctx)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+def serve_role(role: str, port: int, upstream: str) -> None:
+    app = mock_app() if role == "mock" else floor_app(upstream)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=new_loop())
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} did not start")
+
+
+@contextlib.contextmanager
+def process(args: list[str], port: int, what: str, env: dict[str, str] | None = None,
+            cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+    try:
+        _wait_port(port, proc, what)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all threads, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(VOCAB) for _ in range(n))
+
+
+def bodies(workload: str, count: int, *, stream: bool, max_tokens: int,
+           seed: int) -> list[bytes]:
+    """Request bodies; `unique`: ~1,000 fresh tokens each; `shared`: one system prompt."""
+    rng = random.Random(seed)
+    system = words(random.Random(0), 900)
+    out = []
+    for i in range(count):
+        if workload == "unique":
+            messages = [{"role": "user", "content": f"request {seed}-{i}: {words(rng, 900)}"}]
+        else:
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"request {seed}-{i}: {words(rng, 40)}"}]
+        out.append(json.dumps({"model": MODEL, "messages": messages,
+                               "max_tokens": max_tokens, "stream": stream}).encode())
+    return out
+
+
+@dataclass
+class Cell:
+    latencies_s: list[float] = field(default_factory=list)
+    rps: float = 0.0
+    cpu_ms_per_request: float | None = None
+    errors: int = 0
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+async def load(session: aiohttp.ClientSession, url: str, payloads: list[bytes],
+               concurrency: int, pid: int | None) -> Cell:
+    cell = Cell()
+    it = iter(payloads)
+    headers = {"Content-Type": "application/json"}
+
+    async def worker() -> None:
+        for payload in it:
+            t0 = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", data=payload,
+                                    headers=headers) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    cell.errors += 1
+            cell.latencies_s.append(time.perf_counter() - t0)
+
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    t0 = time.perf_counter()
+    async with asyncio.timeout(CELL_TIMEOUT_S):
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    cell.rps = len(cell.latencies_s) / elapsed
+    if pid:
+        cell.cpu_ms_per_request = (cpu_seconds(pid) - cpu0) * 1000 / len(cell.latencies_s)
+    return cell
+
+
+TARGETS = ("direct", "floor", "kvgate")
+BASELINE = "baseline"  # --baseline DIR: another kvgate checkout, e.g. before a change
+
+
+async def run_all(urls: dict[str, str], pids: dict[str, int | None],
+                  args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    seed = 1
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for workload in args.workloads:
+            for stream in (False, True):
+                for conc in args.concurrency:
+                    n = args.requests if conc > 1 else max(50, args.requests // 4)
+                    cells: dict[str, Cell] = {t: Cell() for t in urls}
+                    # warm up connections, the kvgate template, the count cache
+                    for target in urls:
+                        warm = bodies(workload, min(n, 2 * conc), stream=stream,
+                                      max_tokens=args.max_tokens, seed=seed)
+                        seed += 1
+                        await load(session, urls[target], warm, conc, None)
+                    for _ in range(args.rounds):  # interleave so drift hits every target
+                        for target in urls:
+                            payloads = bodies(workload, n // args.rounds, stream=stream,
+                                              max_tokens=args.max_tokens, seed=seed)
+                            seed += 1
+                            got = await load(session, urls[target], payloads, conc,
+                                             pids[target])
+                            c = cells[target]
+                            c.latencies_s += got.latencies_s
+                            c.rps += got.rps / args.rounds
+                            c.errors += got.errors
+                            if got.cpu_ms_per_request is not None:
+                                c.cpu_ms_per_request = (c.cpu_ms_per_request or 0.0) + (
+                                    got.cpu_ms_per_request / args.rounds)
+                    row = _row(workload, stream, conc, cells)
+                    rows.append(row)
+                    _print_row(row)
+    return rows
+
+
+def _row(workload: str, stream: bool, conc: int, cells: dict[str, Cell]) -> dict[str, Any]:
+    d = cells["direct"]
+    row: dict[str, Any] = {"workload": workload, "stream": stream, "concurrency": conc}
+    for t, c in cells.items():
+        row[t] = {
+            "rps": round(c.rps, 1),
+            "p50_ms": round(pct(c.latencies_s, 0.5) * 1000, 3),
+            "p99_ms": round(pct(c.latencies_s, 0.99) * 1000, 3),
+            "added_p50_ms": round((pct(c.latencies_s, 0.5) - pct(d.latencies_s, 0.5)) * 1000, 3),
+            "added_p99_ms": round((pct(c.latencies_s, 0.99) - pct(d.latencies_s, 0.99)) * 1000,
+                                  3),
+            "vs_direct": round(c.rps / d.rps, 3),
+            "vs_floor": round(c.rps / cells["floor"].rps, 3),
+            "cpu_ms_per_request": (round(c.cpu_ms_per_request, 3)
+                                   if c.cpu_ms_per_request is not None else None),
+            "errors": c.errors,
+        }
+    return row
+
+
+HEADER = (f"{'workload':<8} {'mode':<6} {'c':>3} | {'direct':>7} | {'floor':>7} {'/dir':>5} "
+          f"{'cpu ms':>6} {'+p50':>6} {'+p99':>6} | {'kvgate':>7} {'/dir':>5} {'/floor':>6} "
+          f"{'cpu ms':>6} {'+p50':>6} {'+p99':>6}")
+BASELINE_HEADER = f" | {'baseline':>8} {'/floor':>6} {'cpu ms':>6} {'+p50':>6}"
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    f, k, d = row["floor"], row["kvgate"], row["direct"]
+    errors = sum(row[t]["errors"] for t in (*TARGETS, BASELINE) if t in row)
+    b = row.get(BASELINE)
+    base = (f" | {b['rps']:>8,.0f} {b['vs_floor']:>6.2f} {b['cpu_ms_per_request']:>6.2f} "
+            f"{b['added_p50_ms']:>6.2f}" if b else "")
+    print(f"{row['workload']:<8} {'stream' if row['stream'] else 'json':<6} "
+          f"{row['concurrency']:>3} | {d['rps']:>7,.0f} | {f['rps']:>7,.0f} "
+          f"{f['vs_direct']:>5.2f} {f['cpu_ms_per_request']:>6.2f} {f['added_p50_ms']:>6.2f} "
+          f"{f['added_p99_ms']:>6.2f} | {k['rps']:>7,.0f} {k['vs_direct']:>5.2f} "
+          f"{k['vs_floor']:>6.2f} {k['cpu_ms_per_request']:>6.2f} {k['added_p50_ms']:>6.2f} "
+          f"{k['added_p99_ms']:>6.2f}" + base + (f"  ERRORS {errors}" if errors else ""),
+          flush=True)
+
+
+def kvgate_config(tmp: Path, port: int, upstream: str) -> Path:
+    tmp.mkdir(exist_ok=True)
+    config = tmp / "kvgate.toml"
+    config.write_text(f"""
+[server]
+listen = "127.0.0.1:{port}"
+[queue]
+max_depth = 4096
+[[models]]
+name = "{MODEL}"
+path = "{MODEL_DIR}"
+max_model_len = 40960
+[models.deployment]
+kv_tokens = 100000000
+[[models.backends]]
+name = "mock"
+url = "{upstream}"
+""")
+    return config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=["mock", "floor"], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--requests", type=int, default=600,
+                        help="requests per target per cell (a quarter at concurrency 1)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--workloads", nargs="+", default=["unique", "shared"],
+                        choices=["unique", "shared"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--kvgate-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="environment for kvgate, e.g. KVGATE_LOOP=asyncio KVGATE_FAST_BPE=0")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also run kvgate from this checkout (e.g. `git archive` of main)")
+    parser.add_argument("--profile", type=Path,
+                        help="record kvgate with py-spy into this file (svg, or .txt: raw)")
+    args = parser.parse_args()
+    if args.role:
+        serve_role(args.role, args.port, args.upstream)
+        return
+    mock_port, floor_port, kv_port, base_port = free_port(), free_port(), free_port(), free_port()
+    urls = {t: f"http://127.0.0.1:{p}" for t, p in
+            (("direct", mock_port), ("floor", floor_port), ("kvgate", kv_port))}
+    if args.baseline:
+        urls[BASELINE] = f"http://127.0.0.1:{base_port}"
+    me = str(Path(__file__).resolve())
+    with tempfile.TemporaryDirectory() as tmp, \
+            process([me, "--role", "mock", "--port", str(mock_port)], mock_port,
+                    "mock") as mock, \
+            process([me, "--role", "floor", "--port", str(floor_port), "--upstream",
+                     urls["direct"]], floor_port, "floor") as floor, \
+            process(["-m", "proxy", "serve", "--config",
+                     str(kvgate_config(Path(tmp), kv_port, urls["direct"]))], kv_port,
+                    "kvgate", env=dict(item.split("=", 1) for item in args.kvgate_env)) as kv:
+        pids: dict[str, int | None] = {"direct": mock.pid, "floor": floor.pid, "kvgate": kv.pid}
+        baseline = contextlib.ExitStack()
+        if args.baseline:
+            base = baseline.enter_context(process(
+                ["-m", "proxy", "serve", "--config",
+                 str(kvgate_config(Path(tmp) / "base", base_port, urls["direct"]))],
+                base_port, "baseline kvgate", cwd=args.baseline.resolve()))
+            pids[BASELINE] = base.pid
+        spy = None
+        if args.profile:
+            exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            fmt = "raw" if args.profile.suffix == ".txt" else "flamegraph"
+            spy = subprocess.Popen([exe, "record", "--pid", str(kv.pid), "--threads",
+                                    "--format", fmt, "-o", str(args.profile), "--rate", "250"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(f"{args.requests} requests per target per cell in {args.rounds} interleaved "
+              f"rounds; max_tokens {args.max_tokens}; proxy CPU from /proc; +p50/+p99 over "
+              "direct in ms")
+        print(HEADER + (BASELINE_HEADER if args.baseline else ""))
+        try:
+            with asyncio.Runner(loop_factory=new_loop) as runner:
+                rows = runner.run(run_all(urls, pids, args))
+        finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+            baseline.close()
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

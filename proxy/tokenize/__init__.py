@@ -1,0 +1,37 @@
+"""Exact prompt-token counts, as the serving engine will count them.
+
+Admission is only as good as its count: low by 5% overcommits the GPU, high wastes
+it. So the count follows the engine's path, not an estimate:
+
+* chat requests: render the model's own chat template with the semantics of
+  transformers' `apply_chat_template` (what vLLM and SGLang call), then encode the
+  text *without* adding special tokens again (the template writes BOS itself);
+* plain prompts (`/v1/completions`): encode with the tokenizer's own BOS rule;
+  token-id prompts count as given.
+
+Loading happens once per model; `count_*` are synchronous and CPU-bound, and the
+server runs them in a thread pool (`TokenCounter.count_chat_async`).
+
+The package: `base` (request and protocol types, errors), `templates` (jinja with
+transformers' semantics), `encoders` (`tokenizers`, tiktoken, and the fast exact
+byte-level BPE), `counting` (the counters), `loading` (a model directory -> a counter).
+
+Import as `proxy.tokenize`: the name shadows the stdlib's `tokenize` only for code
+run from inside `proxy/`.
+"""
+from __future__ import annotations
+
+from proxy.tokenize.base import ChatRequest, PromptCounter, TemplateError, TokenizerLoadError
+from proxy.tokenize.counting import MistralTokenCounter, TokenCounter, count_executor
+from proxy.tokenize.loading import load_counter
+
+__all__ = [
+    "ChatRequest",
+    "MistralTokenCounter",
+    "PromptCounter",
+    "TemplateError",
+    "TokenCounter",
+    "TokenizerLoadError",
+    "count_executor",
+    "load_counter",
+]

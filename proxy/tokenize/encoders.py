@@ -1,0 +1,235 @@
+"""Text -> token ids: `tokenizers` (the reference) and tiktoken encodings by name.
+
+Every encoder also splits rendered text on its added/special tokens
+(`split_rendered`) and encodes the plain text between them (`encode_segment`).
+The engine's tokenizer encodes those segments independently of each other, so a
+count is the sum over segments plus one per special token; that is what lets the
+count cache (`proxy.tokenize.cache`) reuse a segment it has seen before. The fast
+exact byte-level BPE encoder is in `proxy.tokenize.bytelevel`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from proxy.tokenize.base import TokenizerLoadError
+
+__all__ = ["HFEncoder", "SpecialSplitter", "TiktokenEncoder"]
+
+
+class SpecialSplitter:
+    """Finds added tokens in text as `tokenizers` does: leftmost, then longest.
+
+    `tokenizers` matches added tokens with Aho-Corasick, leftmost-longest; a regex
+    alternation tries its alternatives in order at the leftmost position, so listing
+    longer tokens first gives the same match ("<|im_start|>" before "<|im").
+    """
+
+    def __init__(self, tokens: Mapping[str, int]) -> None:
+        self._ids = dict(tokens)
+        ordered = sorted(self._ids, key=lambda t: (-len(t), t))
+        self._re = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+
+    def split(self, text: str) -> list[str | int]:
+        """Plain-text segments (non-empty `str`) and special token ids (`int`), in order."""
+        if self._re is None:
+            return [text] if text else []
+        out: list[str | int] = []
+        pos = 0
+        ids = self._ids
+        for m in self._re.finditer(text):
+            start = m.start()
+            if start > pos:
+                out.append(text[pos:start])
+            out.append(ids[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            out.append(text[pos:])
+        return out
+
+
+def hf_added_tokens(tokenizer_json: Mapping[str, Any]) -> dict[str, int] | None:
+    """Added tokens if plain splitting on their text is exact, else None.
+
+    Exact when no added token strips neighbouring whitespace or must be a whole
+    word (`lstrip`, `rstrip`, `single_word`), and none is matched on normalized
+    text while a normalizer changes text (then a match could depend on neighbours).
+    """
+    normalizer = tokenizer_json.get("normalizer")
+    identity = normalizer is None or (
+        normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")
+    )
+    out: dict[str, int] = {}
+    for tok in tokenizer_json.get("added_tokens") or []:
+        if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word"):
+            return None
+        if tok.get("normalized") and not identity:
+            return None
+        out[str(tok["content"])] = int(tok["id"])
+    return out
+
+
+class HFEncoder:
+    """A `tokenizers.Tokenizer` from `tokenizer.json`, with transformers' BOS rule."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        add_bos_token: bool | None,
+        bos_token: str | None,
+        tokenizer_json: Mapping[str, Any] | None = None,
+    ) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        self.description = "tokenizers"
+        self.fast = False
+        added = hf_added_tokens(tokenizer_json) if tokenizer_json is not None else None
+        # Without the token table (or with stripping added tokens) the text is one
+        # segment: counts stay exact, only the cache has less to reuse.
+        self.added_tokens = added
+        self.splitter = SpecialSplitter(added) if added is not None else None
+        # transformers' Llama-style fast tokenizers rebuild the post-processor from
+        # `add_bos_token` (DeepSeek V3's tokenizer.json adds none, its config says True).
+        self.force_bos: int | None = None
+        if add_bos_token and bos_token is not None:
+            self.force_bos = self._tok.token_to_id(bos_token)
+
+    def encode_plain(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.force_bos
+        if add_special_tokens and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    def encode_rendered(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def encode_segment(self, text: str) -> list[int]:
+        """Text with no added token in it: one segment of `split_rendered`."""
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def split_rendered(self, text: str) -> list[str | int]:
+        if self.splitter is None:
+            return [text] if text else []
+        return self.splitter.split(text)
+
+    def token_id(self, token: str) -> int | None:
+        tid: int | None = self._tok.token_to_id(token)
+        return tid
+
+    @property
+    def tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer` itself: the reference the fast path is checked on."""
+        return self._tok
+
+
+_tiktoken_lock = threading.Lock()
+
+
+class TiktokenEncoder:
+    """A tiktoken encoding loaded from a local rank file, never from the network."""
+
+    def __init__(self, name: str, rank_file: Path | None) -> None:
+        import tiktoken
+        import tiktoken.load
+        from tiktoken_ext import openai_public
+
+        constructors: Mapping[str, Any] = openai_public.ENCODING_CONSTRUCTORS
+        if name not in constructors:
+            raise TokenizerLoadError(
+                f"unknown tiktoken encoding {name!r}; expected one of {sorted(constructors)}"
+            )
+        self.description = f"tiktoken {name}"
+        self.fast = True
+        if rank_file is None:
+            self._enc = self._from_cache(name)
+            self.splitter = SpecialSplitter(self._enc._special_tokens)
+            return
+        real_loader = openai_public.load_tiktoken_bpe
+
+        def local_loader(_url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+            ranks: dict[bytes, int] = tiktoken.load.load_tiktoken_bpe(
+                str(rank_file), expected_hash=expected_hash
+            )
+            return ranks
+
+        # tiktoken's constructors hold the pattern and special tokens (one source of
+        # truth); only the rank loader is pointed at the local file, and the hash is
+        # still checked.
+        with _tiktoken_lock:
+            openai_public.load_tiktoken_bpe = local_loader
+            try:
+                spec = constructors[name]()
+            except ValueError as exc:
+                raise TokenizerLoadError(f"{rank_file}: {exc}") from exc
+            finally:
+                openai_public.load_tiktoken_bpe = real_loader
+        self._enc = tiktoken.Encoding(
+            spec["name"],
+            pat_str=spec["pat_str"],
+            mergeable_ranks=spec["mergeable_ranks"],
+            special_tokens=spec["special_tokens"],
+            explicit_n_vocab=spec.get("explicit_n_vocab"),
+        )
+        # tiktoken itself finds specials with a regex and encodes the text between
+        # them separately: splitting first gives the same ids.
+        self.splitter = SpecialSplitter(self._enc._special_tokens)
+
+    @staticmethod
+    def _from_cache(name: str) -> Any:
+        """tiktoken's own cache directory, refusing anything that would download."""
+        import hashlib
+        import tempfile
+
+        import tiktoken
+
+        urls = {
+            "cl100k_base": "cl100k_base",
+            "o200k_base": "o200k_base",
+            "o200k_harmony": "o200k_base",
+            "r50k_base": "r50k_base",
+            "p50k_base": "p50k_base",
+            "p50k_edit": "p50k_base",
+        }
+        if name not in urls:
+            raise TokenizerLoadError(f"tiktoken encoding {name!r} needs a local rank file")
+        url = f"https://openaipublic.blob.core.windows.net/encodings/{urls[name]}.tiktoken"
+        cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+        cache = Path(cache_dir or Path(tempfile.gettempdir()) / "data-gym-cache")
+        cached = cache / hashlib.sha1(url.encode()).hexdigest()
+        if not cached.is_file():
+            raise TokenizerLoadError(
+                f"tiktoken encoding {name!r} is not in tiktoken's cache ({cached}); "
+                "kvgate never downloads at run time: give the .tiktoken file"
+            )
+        return tiktoken.get_encoding(name)
+
+    def encode_plain(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        # OpenAI's encodings add no BOS; special-token text in a prompt is plain text.
+        ids: list[int] = self._enc.encode(text, disallowed_special=())
+        return ids
+
+    def encode_rendered(self, text: str) -> list[int]:
+        ids: list[int] = self._enc.encode(text, allowed_special="all")
+        return ids
+
+    def encode_segment(self, text: str) -> list[int]:
+        ids: list[int] = self._enc.encode_ordinary(text)
+        return ids
+
+    def split_rendered(self, text: str) -> list[str | int]:
+        return self.splitter.split(text)
+
+    def token_id(self, token: str) -> int | None:
+        special: dict[str, int] = self._enc._special_tokens
+        return special.get(token)
+

@@ -1,0 +1,96 @@
+"""A model directory (as vLLM is given one) or `tiktoken:<name>` -> a counter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from proxy.tokenize.base import Encoder, PromptCounter, TokenizerLoadError
+from proxy.tokenize.bytelevel import try_fast
+from proxy.tokenize.cache import DEFAULT_CACHE_BYTES
+from proxy.tokenize.counting import MistralTokenCounter, TokenCounter
+from proxy.tokenize.encoders import HFEncoder, TiktokenEncoder
+from proxy.tokenize.templates import read_chat_template, read_json, special_token_text
+
+__all__ = ["load_counter"]
+
+
+_TIKTOKEN_NAMES = ("cl100k_base", "o200k_base", "o200k_harmony", "r50k_base", "p50k_base")
+
+
+_RANK_FILES = {"o200k_harmony": "o200k_base", "p50k_edit": "p50k_base"}
+
+
+def load_counter(
+    model_dir: str | Path,
+    *,
+    name: str | None = None,
+    encoding: str | None = None,
+    cache_bytes: int = DEFAULT_CACHE_BYTES,
+) -> PromptCounter:
+    """Load a model directory as vLLM is given one, or `tiktoken:<encoding>`.
+
+    Recognised: `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`
+    or `chat_template.json`), or a `<encoding>.tiktoken` rank file (`encoding`
+    picks one; `o200k_harmony` reads `o200k_base.tiktoken` and adds its specials), or
+    Mistral's `tekken.json` (through mistral-common, when installed).
+
+    A byte-level BPE `tokenizer.json` counts on tiktoken's core where that is proven
+    exact (`proxy.tokenize.bytelevel`); `cache_bytes` bounds the count cache of
+    repeated prompt segments (0 turns it off).
+    """
+    spec = str(model_dir)
+    if spec.startswith("tiktoken:"):
+        encoding = spec.removeprefix("tiktoken:")
+        return TokenCounter(
+            name=name or encoding,
+            encoder=TiktokenEncoder(encoding, None),
+            chat_template=None,
+            special_tokens={},
+            cache_bytes=cache_bytes,
+        )
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise TokenizerLoadError(f"model directory {str(path)!r} does not exist")
+    config_file = path / "tokenizer_config.json"
+    config = read_json(config_file) if config_file.is_file() else {}
+    template = read_chat_template(path, config)
+    special = {
+        key: text
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+        if (text := special_token_text(config.get(key))) is not None
+    }
+    label = name or path.name
+    if (path / "tokenizer.json").is_file():
+        add_bos = config.get("add_bos_token")
+        if config.get("tokenizer_class") not in ("LlamaTokenizerFast", "LlamaTokenizer"):
+            add_bos = None  # only Llama-style tokenizers rebuild BOS from the config
+        tokenizer_json = read_json(path / "tokenizer.json")
+        reference = HFEncoder(
+            path / "tokenizer.json",
+            add_bos_token=bool(add_bos) if add_bos is not None else None,
+            bos_token=special.get("bos_token"),
+            tokenizer_json=tokenizer_json,
+        )
+        fast, why = try_fast(path / "tokenizer.json", tokenizer_json, reference)
+        encoder: Encoder = fast if fast is not None else reference
+        if fast is None:
+            reference.description = f"tokenizers (fast path off: {why})"
+        return TokenCounter(
+            name=label, encoder=encoder, chat_template=template, special_tokens=special,
+            cache_bytes=cache_bytes,
+        )
+    for candidate in (encoding,) if encoding else _TIKTOKEN_NAMES:
+        rank_file = path / f"{_RANK_FILES.get(candidate, candidate)}.tiktoken"
+        if rank_file.is_file():
+            return TokenCounter(
+                name=label,
+                encoder=TiktokenEncoder(candidate, rank_file),
+                chat_template=template,
+                special_tokens=special,
+                cache_bytes=cache_bytes,
+            )
+    if (path / "tekken.json").is_file():
+        return MistralTokenCounter(path / "tekken.json", name=label)
+    raise TokenizerLoadError(
+        f"{path} has no tokenizer: expected tokenizer.json or a <encoding>.tiktoken file"
+    )
