@@ -100,7 +100,8 @@ async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
     if target.proxy:
         gate = GateSettings(deadline_s=DEADLINE_S, ordering=ordering, starvation_s=starvation_s,
                             output_policy="fill",
-                            reservation="adaptive" if target is Target.ADAPTIVE else None)
+                            reservation=("adaptive" if target is Target.ADAPTIVE
+                                         else "strict"))
     with cluster(params, gate=gate) as c:
         run = await run_open_loop(
             c.targets, specs, builder, hard_stop_s=limits.hard_stop_s,

@@ -66,7 +66,7 @@ class GateSettings:
     ordering: str = "fifo"
     starvation_s: float = 5.0  # kvgate's default
     output_policy: str = "fill"
-    reservation: str | None = None  # None: the key is left out (kvgate's default, strict)
+    reservation: str = "strict"  # always written: the default mode is no benchmark's business
     ledger_url: str | None = None
 
 
@@ -88,8 +88,7 @@ def kvgate_config(params: SimParams, gate: GateSettings, *, port: int,
         "name": MODEL, "path": str(QWEN), "max_model_len": params.max_model_len,
         "output_policy": gate.output_policy,
     }
-    if gate.reservation is not None:
-        model["reservation"] = gate.reservation
+    model["reservation"] = gate.reservation
     model["deployment"] = {"kv_tokens": params.kv_tokens, "block_size": 16}
     model["backends"] = [{"name": f"sim-{i}", "url": u} for i, u in enumerate(sims)]
     config: dict[str, Any] = {
