@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.ordering import Ordering, WaiterView
 from policies.placement import BackendRoom, PlacementName, rank_backends
@@ -43,6 +43,8 @@ class Demand:
     n: int = 1
     priority: str = ""
     tenant: str = ""
+    min_tokens: int = 0
+    follow: bool = False  # an adaptive lease: sized from history, resized as it runs
 
 
 class Backend:
@@ -140,9 +142,14 @@ class _Waiter:
     __slots__ = ("demand", "fut", "view")
 
     def __init__(self, view: WaiterView, demand: Demand, fut: asyncio.Future[Lease]) -> None:
-        self.view = view
-        self.demand = demand
+        self.view: WaiterView = view
+        self.demand: Demand = demand
         self.fut = fut
+
+    def resize(self, tokens: int) -> None:
+        if tokens != self.demand.tokens:
+            self.demand = replace(self.demand, tokens=tokens)
+            self.view = replace(self.view, demand_tokens=tokens)
 
 
 class AdmissionController:
@@ -177,6 +184,10 @@ class AdmissionController:
         self._tasks: set[asyncio.Task[None]] = set()
         self.release_rate = ReleaseRate()
         self._on_event = on_event or (lambda _kind, _lease: None)
+        # Adaptive reservation: what a followed demand should hold now. A waiter that
+        # arrived while there was no history asked for prompt + max_tokens; once
+        # there is, it waits for what it will really need.
+        self.sizer: Callable[[Demand], int] | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -350,6 +361,10 @@ class AdmissionController:
             self._dispatching = False
 
     async def _dispatch_once(self, now: float) -> None:
+        if self.sizer is not None:
+            for w in self._waiters:
+                if w.demand.follow:
+                    w.resize(self.sizer(w.demand))
         order = sorted(self._waiters, key=lambda w: self._ordering.key(w.view, now))
         for waiter in order:
             if waiter.fut.done():

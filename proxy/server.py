@@ -8,12 +8,14 @@ forward -> release in `finally`, exactly once, on every path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
+import itertools
 import json
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -63,6 +65,10 @@ class ModelRuntime:
         self.config = config
         self.counter: PromptCounter = load_counter(config.path, name=config.name)
         self.controller = controller
+        # Per layer kind, per request, and again on every resize: memoised, since a
+        # model's layout never changes and lengths repeat.
+        self.ledger_tokens: Callable[[int], int] = functools.lru_cache(maxsize=16384)(
+            self._ledger_tokens)
         self.tracker: ReservationTracker | None = None
         self.targets: dict[str, AdmissionTarget] = {}
         if config.reservation is ReservationMode.ADAPTIVE:
@@ -74,8 +80,12 @@ class ModelRuntime:
                 resize_interval_s=a.resize_interval_s,
             )
             self.targets = {b.name: AdmissionTarget() for b in controller.backends}
+            tracker = self.tracker
+            controller.sizer = lambda d: tracker.lease_tokens(
+                prompt_tokens=d.prompt_tokens, max_tokens=d.max_tokens, n=d.n,
+                min_tokens=d.min_tokens, strict=False)
 
-    def ledger_tokens(self, resident_tokens: int) -> int:
+    def _ledger_tokens(self, resident_tokens: int) -> int:
         """Block-rounded ledger tokens (token-equivalents for hybrid layouts)."""
         if self.config.deployment is not None:
             return self.config.deployment.ledger_tokens(resident_tokens)
@@ -198,6 +208,15 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+_REQUEST_ID_PREFIX = secrets.token_hex(4)  # per process: ids stay unique across replicas
+_request_seq = itertools.count()
+
+
+def _next_request_id() -> str:
+    """16 hex digits: a random per-process prefix and a counter (no syscall per request)."""
+    return f"{_REQUEST_ID_PREFIX}{next(_request_seq) & 0xFFFFFFFF:08x}"
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -207,7 +226,7 @@ async def error_middleware(
     nothing mapped, which becomes `500 internal_error` naming the request id that the
     log line with its traceback carries. A lease is never held here: `_serve` releases
     in its `finally` before the exception arrives."""
-    request_id = uuid.uuid4().hex[:16]
+    request_id = _next_request_id()
     _REQUEST_ID.set(request_id)
     state = request.app[STATE_KEY]
     try:
@@ -375,7 +394,8 @@ def _demand(
             total += req.n * model.ledger_tokens(prompt_tokens + decision.max_tokens)
     priority = _priority(request, state)
     demand = Demand(tokens=total, prompt_tokens=sum(prompts), max_tokens=reserve_out, n=req.n,
-                    priority=priority, tenant=_tenant(request, state))
+                    priority=priority, tenant=_tenant(request, state),
+                    min_tokens=min(min_tokens, reserve_out), follow=not strict)
     plan = _OutputPlan(max_tokens=reserve_out, min_tokens=min(min_tokens, reserve_out),
                        strict=strict)
     return demand, set_to, plan
@@ -383,7 +403,7 @@ def _demand(
 
 async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    trace = _Trace(request_id=_REQUEST_ID.get() or uuid.uuid4().hex[:16])
+    trace = _Trace(request_id=_REQUEST_ID.get() or _next_request_id())
     started = time.perf_counter()
     try:
         return await _serve(request, endpoint, state, trace)
@@ -397,12 +417,13 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     finally:
         if trace.model in state.models and trace.outcome in _ENDED:
             state.metrics.finished(trace.model, trace.outcome)
-        log.info(json.dumps({
-            "id": trace.request_id, "model": trace.model, "backend": trace.backend,
-            "prompt_tokens": trace.prompt_tokens, "reserved_tokens": trace.reserved_tokens,
-            "queue_wait_ms": round(trace.queue_wait_ms, 1), "outcome": str(trace.outcome),
-            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
-        }))
+        if log.isEnabledFor(logging.INFO):
+            log.info(json.dumps({
+                "id": trace.request_id, "model": trace.model, "backend": trace.backend,
+                "prompt_tokens": trace.prompt_tokens, "reserved_tokens": trace.reserved_tokens,
+                "queue_wait_ms": round(trace.queue_wait_ms, 1), "outcome": str(trace.outcome),
+                "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+            }))
 
 
 async def _serve(

@@ -320,3 +320,26 @@ async def _settled(stack: Stack) -> None:
     async with asyncio.timeout(5):
         while any(stack.resident().values()):
             await asyncio.sleep(0.01)
+
+
+def test_a_followed_waiter_waits_for_what_it_will_need_once_history_exists() -> None:
+    """Queued before there was history (prompt + max_tokens), sized anew at dispatch."""
+
+    async def scenario() -> None:
+        backend = Backend(name="gpu", url="http://127.0.0.1:9", capacity_tokens=1000)
+        c = AdmissionController(model="m", backends=[backend], ledger=MemoryLedger(),
+                                ordering=make_ordering("fifo"))
+        first = await c.acquire(Demand(tokens=700, prompt_tokens=100, max_tokens=600), 1e9)
+        loop = asyncio.get_running_loop()
+        big = Demand(tokens=900, prompt_tokens=100, max_tokens=800, follow=True)
+        waiter = asyncio.ensure_future(c.acquire(big, loop.time() + 5))
+        await asyncio.sleep(0.01)
+        assert not waiter.done() and c.queued_tokens() == 900
+        c.sizer = lambda d: 300  # the history says: 100 prompt + ~200 output
+        c.kick()
+        second = await asyncio.wait_for(waiter, 1)
+        assert second.tokens == 300
+        first.release()
+        second.release()
+
+    asyncio.run(scenario())
