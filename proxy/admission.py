@@ -188,6 +188,10 @@ class AdmissionController:
         # arrived while there was no history asked for prompt + max_tokens; once
         # there is, it waits for what it will really need.
         self.sizer: Callable[[Demand], int] | None = None
+        # Live leases that wanted to grow and found no room. Running requests come
+        # first (as in an engine's own scheduler): room that opens goes to them before
+        # any waiter, and admission leaves their shortfall free.
+        self._short: dict[str, Lease] = {}
 
     # ------------------------------------------------------------------ views
     @property
@@ -212,11 +216,21 @@ class AdmissionController:
         backend.capacity_tokens = capacity_tokens
         self.kick()
 
+    def shortfall_tokens(self, backend: Backend) -> int:
+        return sum(lease.shortfall_tokens for lease in self._short.values()
+                   if lease.backend is backend)
+
+    def _admission_room(self, backend: Backend) -> int:
+        """Reserved tokens up to which new requests are admitted on `backend`."""
+        if not self._short:
+            return backend.target_tokens
+        return max(0, backend.target_tokens - self.shortfall_tokens(backend))
+
     def rooms(self) -> list[BackendRoom]:
         return [
             BackendRoom(
                 name=b.name,
-                capacity_tokens=b.target_tokens,
+                capacity_tokens=self._admission_room(b),
                 resident_tokens=self._ledger.resident(b.name),
             )
             for b in self.backends
@@ -296,7 +310,8 @@ class AdmissionController:
         for name in rank_backends(self.rooms(), demand.tokens, self._placement):
             backend = self._by_name[name]
             lease_id = uuid.uuid4().hex
-            if await self._ledger.reserve(name, lease_id, demand.tokens, backend.target_tokens):
+            if await self._ledger.reserve(name, lease_id, demand.tokens,
+                                          self._admission_room(backend)):
                 lease = Lease(
                     lease_id=lease_id, backend=backend, demand=demand, on_release=self._released
                 )
@@ -313,6 +328,8 @@ class AdmissionController:
         """
         if lease.released or tokens == lease.tokens:
             lease.wanted_tokens = tokens
+            if lease.shortfall_tokens == 0:
+                self._short.pop(lease.lease_id, None)
             return lease.tokens
         lease.wanted_tokens = tokens
         granted = await self._ledger.resize(
@@ -322,12 +339,17 @@ class AdmissionController:
             return lease.tokens
         shrunk = granted < lease.tokens
         lease.tokens = granted
+        if lease.shortfall_tokens > 0:
+            self._short[lease.lease_id] = lease
+        else:
+            self._short.pop(lease.lease_id, None)
         self._on_event("resize", lease)
         if shrunk:
             self.kick()
         return granted
 
     def _released(self, lease: Lease) -> None:
+        self._short.pop(lease.lease_id, None)
         self._ledger.release(lease.lease_id)
         self.release_rate.record(lease.tokens)
         self._on_event("release", lease)
@@ -361,6 +383,8 @@ class AdmissionController:
             self._dispatching = False
 
     async def _dispatch_once(self, now: float) -> None:
+        for short in list(self._short.values()):  # running requests first
+            await self.resize(short, short.wanted_tokens)
         if self.sizer is not None:
             for w in self._waiters:
                 if w.demand.follow:

@@ -541,7 +541,6 @@ async def _readyz(request: web.Request) -> web.Response:
 def _backend_view(state: ProxyState, model: ModelRuntime, backend: Backend,
                   now: float) -> dict[str, Any]:
     """One backend as this replica sees it now: the ledger's view and the engine's."""
-    leases = [p.lease for p in model.tracker.live()] if model.tracker is not None else []
     view: dict[str, Any] = {
         "url": backend.url, "healthy": backend.healthy,
         "capacity_tokens": backend.capacity_tokens,
@@ -554,8 +553,7 @@ def _backend_view(state: ProxyState, model: ModelRuntime, backend: Backend,
         target = model.targets[backend.name]
         view.update({
             "engine_estimate_tokens": model.tracker.engine_estimate_tokens(backend.name, now),
-            "lease_shortfall_tokens": sum(lease.shortfall_tokens for lease in leases
-                                          if lease.backend is backend),
+            "lease_shortfall_tokens": model.controller.shortfall_tokens(backend),
             "engine_kv_usage_ratio": target.usage_ratio,
             "engine_preemptions_reported": target.preemptions_seen,
         })

@@ -15,6 +15,7 @@ from policies.ordering import make_ordering
 from policies.reservation import AdmissionTarget, OutputHistory
 from proxy.admission import AdmissionController, Backend, Demand
 from proxy.engine_metrics import engine_load
+from proxy.errors import QueueTimeout
 from proxy.ledger import MemoryLedger
 from proxy.redis_ledger import RedisLedger
 from proxy.reservation import output_tokens_from_tail
@@ -341,5 +342,28 @@ def test_a_followed_waiter_waits_for_what_it_will_need_once_history_exists() -> 
         assert second.tokens == 300
         first.release()
         second.release()
+
+    asyncio.run(scenario())
+
+
+def test_room_that_opens_goes_to_a_running_request_before_a_waiter() -> None:
+    async def scenario() -> None:
+        backend = Backend(name="gpu", url="http://127.0.0.1:9", capacity_tokens=1000)
+        c = AdmissionController(model="m", backends=[backend], ledger=MemoryLedger(),
+                                ordering=make_ordering("fifo"))
+        running = await c.acquire(Demand(tokens=600, prompt_tokens=100, max_tokens=900), 1e9)
+        other = await c.acquire(Demand(tokens=400, prompt_tokens=100, max_tokens=300), 1e9)
+        assert await c.resize(running, 700) == 600  # full: 100 short
+        assert c.shortfall_tokens(backend) == 100
+        loop = asyncio.get_running_loop()
+        waiter = asyncio.ensure_future(
+            c.acquire(Demand(tokens=350, prompt_tokens=100, max_tokens=250), loop.time() + 0.3))
+        await asyncio.sleep(0.01)
+        other.release()  # 400 free: 100 for the running request first, 300 left
+        await c.drain()
+        assert running.tokens == 700 and c.shortfall_tokens(backend) == 0
+        with pytest.raises(QueueTimeout):
+            await waiter
+        running.release()
 
     asyncio.run(scenario())
