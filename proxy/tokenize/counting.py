@@ -16,9 +16,10 @@ import jinja2
 from proxy.tokenize.base import ChatRequest, Encoder, TemplateError, TokenizerLoadError
 from proxy.tokenize.cache import DEFAULT_CACHE_BYTES, CacheStats, CountCache, SegmentCounter
 from proxy.tokenize.templates import (
-    PARTS_LOOP,
     ChatTemplate,
+    ContentFormat,
     compile_template,
+    content_format,
     parse_tool_call,
 )
 
@@ -99,7 +100,9 @@ class TokenCounter(_OffLoop):
 
     @cached_property
     def _joins_text_parts(self) -> bool:
-        return not any(PARTS_LOOP.search(t) for t in self._templates.values())
+        """vLLM detects the format of the template it renders with; kvgate, of every
+        template the model names (they are one family's variants)."""
+        return all(content_format(t) is ContentFormat.STRING for t in self._templates.values())
 
     def _template(self, *, tools: bool) -> ChatTemplate:
         if not self._templates:
