@@ -376,3 +376,22 @@ def test_mistral_tekken_counts_as_mistral_common_publishes() -> None:
     with pytest.raises(TemplateError, match="must start with a user message"):
         counter.count_chat(ChatRequest(messages=[{"role": "assistant", "content": "x"}]))
 
+
+
+def test_mistral_final_assistant_message_continues_as_prefix() -> None:
+    """vLLM's Mistral mode marks a final assistant message `prefix=True` and continues it
+    (no `</s>`); mistral-common on its own refuses such a conversation."""
+    from mistral_common.protocol.instruct.messages import AssistantMessage, UserMessage
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    counter = load_counter(MODELS / "mistral-nemo-instruct-2407")
+    reference = MistralTokenizer.from_file(str(MODELS / "mistral-nemo-instruct-2407" /
+                                               "tekken.json"))
+    encoded = reference.encode_chat_completion(ChatCompletionRequest(messages=[
+        UserMessage(content="Hi"), AssistantMessage(content="Hello, I am", prefix=True)]))
+    assert encoded.text == "<s>[INST]Hi[/INST]Hello, I am"
+    assert len(encoded.tokens) == 8
+    for final in ("Hello, I am", [{"type": "text", "text": "Hello, I am"}]):
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": final}]
+        assert counter.count_chat(ChatRequest(messages=chat)) == 8
