@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policies.engines import EngineKind, engine_kind
 from policies.ordering import ORDERINGS, PRIORITY_CLASSES
 from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
@@ -79,6 +80,7 @@ class BackendConfig:
     name: str
     url: str
     api_key: str | None = None
+    kind: EngineKind = EngineKind.VLLM
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -402,15 +404,19 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         bw = f"{w}backends[{j}]."
         if not isinstance(b, Mapping):
             raise ConfigError(f"`{bw[:-1]}` must be a table")
-        _check_keys(b, {"name", "url", "api_key"}, bw)
+        _check_keys(b, {"name", "url", "api_key", "kind"}, bw)
         url = _str(b, "url", bw)
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"`{bw}url` must start with http:// or https://. Given: {url!r}")
         # Anything but a non-empty string is refused: dropping it silently would send
         # the client's own Authorization upstream instead of the backend's key.
         key = _str(b, "api_key", bw) if "api_key" in b else None
+        try:
+            kind = engine_kind(_str(b, "kind", bw, EngineKind.VLLM.value))
+        except ValueError as exc:
+            raise ConfigError(f"`{bw}kind`: {exc}") from exc
         backends.append(BackendConfig(
-            name=_str(b, "name", bw, f"{name}-{j}"), url=url, api_key=key,
+            name=_str(b, "name", bw, f"{name}-{j}"), url=url, api_key=key, kind=kind,
         ))
     names = [b.name for b in backends]
     if len(set(names)) != len(names):

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from policies.engines import default_output_tokens
 from policies.ordering import make_ordering
 from policies.output import decide_output
 from policies.reservation import AdmissionTarget, OutputHistory, ReservationMode
@@ -346,13 +347,11 @@ def _demand(
     reserve_out = 0
     set_to: int | None = None
     for prompt_tokens in prompts:
-        engine_default = (
-            cfg.max_model_len - prompt_tokens
-            if req.endpoint is Endpoint.CHAT
-            else COMPLETIONS_DEFAULT_MAX_TOKENS
-        )
+        engine_default = default_output_tokens(
+            (b.kind for b in cfg.backends), chat=req.endpoint is Endpoint.CHAT,
+            prompt_tokens=prompt_tokens, max_model_len=cfg.max_model_len)
         decision = decide_output(cfg.output, requested=req.max_tokens,
-                                 engine_default=max(0, engine_default))
+                                 engine_default=engine_default)
         if decision.missing:
             raise MaxTokensRequired(
                 f"model {cfg.name!r} requires `max_tokens` (or `max_completion_tokens`): "

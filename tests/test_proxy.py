@@ -527,3 +527,24 @@ def test_large_body_arriving_in_pieces_is_read_whole() -> None:
             assert int(resp.headers["x-kvgate-prompt-tokens"]) > 60_000
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("kind", "expected"), [("vllm", "16"), ("sglang", "16"),
+                                                 ("tgi", "rest"), ("llama.cpp", "rest")])
+def test_completions_without_max_tokens_reserve_the_engines_default(
+    kind: str, expected: str
+) -> None:
+    """vLLM and SGLang generate 16 tokens for a completion without `max_tokens`; TGI and
+    llama.cpp generate until the context ends, so kvgate reserves the whole rest."""
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=8192, backend={"kind": kind}) as stack, \
+                aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": "The capital of France is"}
+            async with s.post(f"{stack.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                prompt = int(resp.headers["x-kvgate-prompt-tokens"])
+                reserved = int(resp.headers["x-kvgate-reserved-tokens"])
+            assert reserved == (-(-(prompt + 16) // 16) * 16 if expected == "16" else 8192)
+            await settle(stack)
+
+    asyncio.run(scenario())
