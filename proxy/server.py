@@ -102,7 +102,8 @@ class ProxyState:
                 ledger=ledger,
                 ordering=make_ordering(config.queue.ordering,
                                        weights=config.queue.tenant_weights,
-                                       aging_tokens_per_s=config.queue.aging_tokens_per_s),
+                                       aging_tokens_per_s=config.queue.aging_tokens_per_s,
+                                       half_life_s=config.queue.fair_share_half_life_s),
                 placement=mc.placement,
                 max_queue_depth=config.queue.max_depth,
                 starvation_s=config.queue.starvation_s,
@@ -273,9 +274,12 @@ def _deadline(request: web.Request, state: ProxyState) -> float:
 
 
 def _tenant(request: web.Request, state: ProxyState) -> str:
-    tenant = request.headers.get(state.config.queue.tenant_header)
-    if tenant:
-        return tenant[:64]
+    """A hash of the API key; the tenant header only where the operator trusts it
+    (`queue.trust_tenant_header`): any client can set a header to any name."""
+    if state.config.queue.trust_tenant_header:
+        tenant = request.headers.get(state.config.queue.tenant_header)
+        if tenant:
+            return tenant[:64]
     auth = request.headers.get("Authorization", "")
     # surrogateescape: aiohttp decodes header bytes that are not UTF-8 (obs-text) so
     return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:12] if auth else ""

@@ -138,3 +138,15 @@ def test_backend_kind_defaults_to_vllm_and_unknown_kinds_are_refused() -> None:
                                  max_model_len=4096) == 6
     assert default_output_tokens([EngineKind.TGI], chat=True, prompt_tokens=5000,
                                  max_model_len=4096) == 0
+
+
+def test_fair_share_keys_default_and_refusals() -> None:
+    base = {"models": [{"name": "m", "path": str(QWEN), "max_model_len": 4096,
+                        "deployment": {"kv_tokens": 4096},
+                        "backends": [{"url": "http://127.0.0.1:9"}]}]}
+    queue = parse_config(base, base=Path.cwd()).queue
+    assert (queue.trust_tenant_header, queue.fair_share_half_life_s) == (False, 60.0)
+    with pytest.raises(ConfigError, match="`queue.trust_tenant_header` must be true or false"):
+        parse_config({**base, "queue": {"trust_tenant_header": "yes"}}, base=Path.cwd())
+    with pytest.raises(ConfigError, match="`queue.fair_share_half_life_s` must be > 0"):
+        parse_config({**base, "queue": {"fair_share_half_life_s": 0}}, base=Path.cwd())

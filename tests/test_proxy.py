@@ -548,3 +548,30 @@ def test_completions_without_max_tokens_reserve_the_engines_default(
             await settle(stack)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_tenant_is_the_api_key_unless_the_header_is_trusted(trust: bool) -> None:
+    """A client-set tenant header names the tenant only with `queue.trust_tenant_header`;
+    otherwise one API key is one tenant, whatever names it sends. Every admission,
+    queued or not, is charged."""
+    from policies.ordering import PriorityFairShare
+
+    async def scenario() -> None:
+        queue = {"ordering": "priority", "trust_tenant_header": trust}
+        async with running_stack(backends=1, queue=queue) as stack, \
+                aiohttp.ClientSession() as s:
+            for name in ("alpha", "beta", "gamma"):
+                body = {"model": MODEL, "messages": MSGS, "max_tokens": 4}
+                headers = {"Authorization": "Bearer key-1", "x-kvgate-tenant": name}
+                async with s.post(f"{stack.url}/v1/chat/completions", json=body,
+                                  headers=headers) as resp:
+                    assert resp.status == 200, await resp.text()
+            await settle(stack)
+            policy = stack.state.models[MODEL].controller._ordering
+            assert isinstance(policy, PriorityFairShare)
+            tenants = sorted(policy._usage)
+            assert tenants == (["alpha", "beta", "gamma"] if trust else tenants[:1])
+            assert len(tenants) == (3 if trust else 1)
+
+    asyncio.run(scenario())
