@@ -22,6 +22,7 @@ import yaml
 from proxy.cli import check_config_report, main
 from proxy.config import parse_config
 from tests.support.servers import wait_status
+from tests.support.tasks import stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -190,7 +191,7 @@ def test_local_stack_through_load_balancer_holds_ceiling_across_replicas(tmp_pat
             sampler = asyncio.create_task(sample())
             async with asyncio.timeout(60):
                 await asyncio.gather(*(one(i) for i in range(36)))
-            sampler.cancel()
+            await stop(sampler)
             assert max(peaks) <= kv_tokens
             assert sum(peaks) > kv_tokens  # both backends carried load
             assert set(statuses) <= {200, 429}
