@@ -439,3 +439,8 @@ def test_engine_metrics_give_measured_capacity() -> None:
     assert kv_capacity_tokens(vllm_text) == 437_600
     assert kv_capacity_tokens("vllm:num_requests_running 3\n") is None
     assert kv_capacity_tokens('vllm:cache_config_info{block_size="16"} 1\n') is None
+    # label values are strings: a brace or an escaped quote inside one is still one label
+    odd = ('vllm:cache_config_info{note="a} \\"b\\"",block_size="16",num_gpu_blocks="100"}'
+           " 1.0\n")
+    assert kv_capacity_tokens(odd) == 1600
+    assert kv_capacity_tokens("not prometheus {{{\n") is None
