@@ -68,12 +68,14 @@ def default_output_tokens(
     The backend is picked after the demand is known, so a model served by several
     engines reserves the largest default among them. Example: max_model_len 4096,
     prompt 100, completions on vLLM and llama.cpp -> max(16, 4096 - 100) = 3996.
-    Never negative (a prompt over the context is refused elsewhere).
+    A fixed default is not cut to the room left: vLLM and SGLang check prompt + 16
+    against the context and refuse a completion that does not fit, and so does
+    kvgate's context check with the 16 returned here. Never negative.
     """
     room = max(0, max_model_len - prompt_tokens)
     out = 0
     for kind in set(kinds) or {EngineKind.VLLM}:
         default = ENGINE_DEFAULTS[kind]
         tokens = default.chat_tokens if chat else default.completions_tokens
-        out = max(out, room if tokens is None else min(tokens, room))
+        out = max(out, room if tokens is None else tokens)
     return out

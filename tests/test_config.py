@@ -134,7 +134,10 @@ def test_backend_kind_defaults_to_vllm_and_unknown_kinds_are_refused() -> None:
     assert default_output_tokens(both, chat=False, prompt_tokens=100, max_model_len=4096) == 3996
     assert default_output_tokens([EngineKind.SGLANG], chat=False, prompt_tokens=100,
                                  max_model_len=4096) == 16
+    # vLLM checks prompt + its default 16 against the context: not cut to the 6 left
     assert default_output_tokens([EngineKind.VLLM], chat=False, prompt_tokens=4090,
+                                 max_model_len=4096) == 16
+    assert default_output_tokens([EngineKind.LLAMA_CPP], chat=False, prompt_tokens=4090,
                                  max_model_len=4096) == 6
     assert default_output_tokens([EngineKind.TGI], chat=True, prompt_tokens=5000,
                                  max_model_len=4096) == 0
