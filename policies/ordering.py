@@ -6,6 +6,7 @@ dispatch, so keys never drift inside a heap (vLLM's WeightedScoreSorter bug).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -40,8 +41,8 @@ class Ordering(Protocol):
         """Smaller keys are offered capacity first."""
         ...
 
-    def on_admit(self, waiter: WaiterView) -> None:
-        """Account an admission (fair-share policies keep usage)."""
+    def on_admit(self, waiter: WaiterView, now: float) -> None:
+        """Account an admission at `now`, queued or not (fair-share policies keep usage)."""
         ...
 
 
@@ -60,7 +61,7 @@ class Fifo:
     def key(self, waiter: WaiterView, now: float) -> tuple[float, ...]:
         return (waiter.seq,)
 
-    def on_admit(self, waiter: WaiterView) -> None:
+    def on_admit(self, waiter: WaiterView, now: float) -> None:
         return None
 
 
@@ -79,23 +80,42 @@ class ShortestFirst:
         waited = max(0.0, now - waiter.arrival)
         return (waiter.demand_tokens - self.aging_tokens_per_s * waited, waiter.seq)
 
-    def on_admit(self, waiter: WaiterView) -> None:
+    def on_admit(self, waiter: WaiterView, now: float) -> None:
         return None
 
 
-@dataclass(slots=True, kw_only=True)
 class PriorityFairShare:
     """Priority classes first; within a class, the tenant with least weighted usage.
 
     Usage is admitted tokens divided by the tenant's weight (default 1), so a
     tenant of weight 2 gets about twice the tokens of a tenant of weight 1 when
-    both keep the queue busy. Classes are ranked by `classes` (first = highest);
-    unknown or missing classes rank last.
+    both keep the queue busy. Every admission is charged, queued or not: a tenant
+    whose requests pass straight through still used the capacity. Usage decays
+    exponentially with `half_life_s`, so what a tenant did an hour ago does not
+    rank it now: 1,000 tokens charged at t=0 count 500 at t=60 s (half-life 60 s).
+
+    A tenant not seen before (or forgotten) starts at the least usage of the known
+    tenants, not at zero: inventing a new tenant name per request ties with the
+    lightest tenant and never jumps ahead of it. Classes are ranked by `classes`
+    (first = highest); unknown or missing classes rank last.
     """
 
-    classes: tuple[str, ...] = PRIORITY_CLASSES
-    weights: Mapping[str, float] | None = None
-    _usage: dict[str, float] | None = None
+    def __init__(
+        self,
+        *,
+        classes: tuple[str, ...] = PRIORITY_CLASSES,
+        weights: Mapping[str, float] | None = None,
+        half_life_s: float = 60.0,
+        max_tenants: int = 4096,
+    ) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"`half_life_s` must be > 0. Given: {half_life_s}")
+        self.classes = classes
+        self.weights = dict(weights or {})
+        self.half_life_s = half_life_s
+        self.max_tenants = max_tenants
+        self._usage: dict[str, tuple[float, float]] = {}  # tenant -> (usage, charged at)
+        self._floor: tuple[float, float] | None = None  # (now, least usage at now)
 
     def _rank(self, priority: str) -> int:
         try:
@@ -104,29 +124,58 @@ class PriorityFairShare:
             return len(self.classes)
 
     def _weight(self, tenant: str) -> float:
-        return max(1e-9, (self.weights or {}).get(tenant, 1.0))
+        return max(1e-9, self.weights.get(tenant, 1.0))
+
+    def _decayed(self, entry: tuple[float, float], now: float) -> float:
+        usage, at = entry
+        return usage * math.pow(0.5, max(0.0, now - at) / self.half_life_s)
+
+    def _least(self, now: float) -> float:
+        """Least usage among known tenants at `now` (0 when none), cached per `now`."""
+        if self._floor is None or self._floor[0] != now:
+            least = min((self._decayed(e, now) for e in self._usage.values()), default=0.0)
+            self._floor = (now, least)
+        return self._floor[1]
+
+    def usage(self, tenant: str, now: float) -> float:
+        """Weighted, decayed usage at `now`; a new tenant's is the current least."""
+        entry = self._usage.get(tenant)
+        return self._decayed(entry, now) if entry is not None else self._least(now)
 
     def key(self, waiter: WaiterView, now: float) -> tuple[float, ...]:
-        usage = (self._usage or {}).get(waiter.tenant, 0.0)
-        return (self._rank(waiter.priority), usage, waiter.seq)
+        return (self._rank(waiter.priority), self.usage(waiter.tenant, now), waiter.seq)
 
-    def on_admit(self, waiter: WaiterView) -> None:
-        if self._usage is None:
-            self._usage = {}
+    def on_admit(self, waiter: WaiterView, now: float) -> None:
         share = waiter.demand_tokens / self._weight(waiter.tenant)
-        self._usage[waiter.tenant] = self._usage.get(waiter.tenant, 0.0) + share
+        self._usage[waiter.tenant] = (self.usage(waiter.tenant, now) + share, now)
+        self._floor = None
+        if len(self._usage) > self.max_tenants:
+            self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        """Keep the map bounded: drop the lightest half. A dropped tenant comes back
+        at the least usage of those kept, at most what it would have had plus that
+        least; name churn cannot grow memory."""
+        by_usage = sorted(self._usage, key=lambda t: self._decayed(self._usage[t], now))
+        for tenant in by_usage[: len(by_usage) // 2]:
+            del self._usage[tenant]
+        self._floor = None
 
 
 ORDERINGS = {name.value for name in OrderingName}
 
 
 def make_ordering(
-    name: str, *, weights: Mapping[str, float] | None = None, aging_tokens_per_s: float = 4000.0
+    name: str,
+    *,
+    weights: Mapping[str, float] | None = None,
+    aging_tokens_per_s: float = 4000.0,
+    half_life_s: float = 60.0,
 ) -> Ordering:
     if name == OrderingName.FIFO:
         return Fifo()
     if name == OrderingName.SHORTEST_FIRST:
         return ShortestFirst(aging_tokens_per_s=aging_tokens_per_s)
     if name == OrderingName.PRIORITY:
-        return PriorityFairShare(weights=weights)
+        return PriorityFairShare(weights=weights, half_life_s=half_life_s)
     raise ValueError(f"unknown ordering {name!r}; expected one of {sorted(ORDERINGS)}")

@@ -262,6 +262,9 @@ class AdmissionController:
         if not self._waiters:
             lease = await self._try_place(demand)
             if lease is not None:
+                self._ordering.on_admit(WaiterView(
+                    seq=next(self._seq), arrival=loop.time(), demand_tokens=demand.tokens,
+                    priority=demand.priority, tenant=demand.tenant), loop.time())
                 return lease
         if len(self._waiters) >= self._max_depth:
             raise QueueFull(
@@ -406,7 +409,7 @@ class AdmissionController:
                 lease.release()
                 continue
             waiter.fut.set_result(lease)
-            self._ordering.on_admit(waiter.view)
+            self._ordering.on_admit(waiter.view, now)
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policies.engines import EngineKind, engine_kind
 from policies.ordering import ORDERINGS, PRIORITY_CLASSES
 from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
@@ -61,6 +62,8 @@ class QueueConfig:
     aging_tokens_per_s: float = 4000.0
     priority_header: str = "x-kvgate-priority"
     tenant_header: str = "x-kvgate-tenant"
+    trust_tenant_header: bool = False
+    fair_share_half_life_s: float = 60.0
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     priority_by_api_key: Mapping[str, str] = field(default_factory=dict)
 
@@ -79,6 +82,7 @@ class BackendConfig:
     name: str
     url: str
     api_key: str | None = None
+    kind: EngineKind = EngineKind.VLLM
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,7 +209,8 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
     w = "queue."
     _check_keys(data, {"max_depth", "default_deadline_s", "max_deadline_s", "ordering",
                        "starvation_s", "aging_tokens_per_s", "priority_header",
-                       "tenant_header", "tenant_weights", "priority_by_api_key"}, w)
+                       "tenant_header", "tenant_weights", "priority_by_api_key",
+                       "trust_tenant_header", "fair_share_half_life_s"}, w)
     ordering = _str(data, "ordering", w, "fifo")
     if ordering not in ORDERINGS:
         raise ConfigError(
@@ -223,6 +228,12 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
         raise ConfigError(
             f"`queue.priority_by_api_key` must map API keys to one of {list(PRIORITY_CLASSES)}"
         )
+    trust = data.get("trust_tenant_header", False)
+    if not isinstance(trust, bool):
+        raise ConfigError(f"`queue.trust_tenant_header` must be true or false. Given: {trust!r}")
+    half_life = _num(data, "fair_share_half_life_s", w, 60.0, minimum=0.0)
+    if half_life <= 0:
+        raise ConfigError(f"`queue.fair_share_half_life_s` must be > 0. Given: {half_life}")
     default = _num(data, "default_deadline_s", w, 30.0, minimum=0.0)
     maximum = _num(data, "max_deadline_s", w, max(120.0, default), minimum=0.0)
     if default > maximum:
@@ -238,6 +249,8 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
         aging_tokens_per_s=_num(data, "aging_tokens_per_s", w, 4000.0, minimum=0.0),
         priority_header=_str(data, "priority_header", w, "x-kvgate-priority").lower(),
         tenant_header=_str(data, "tenant_header", w, "x-kvgate-tenant").lower(),
+        trust_tenant_header=trust,
+        fair_share_half_life_s=half_life,
         tenant_weights={str(k): float(v) for k, v in weights.items()},
         priority_by_api_key={str(k): str(v) for k, v in by_key.items()},
     )
@@ -402,15 +415,19 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         bw = f"{w}backends[{j}]."
         if not isinstance(b, Mapping):
             raise ConfigError(f"`{bw[:-1]}` must be a table")
-        _check_keys(b, {"name", "url", "api_key"}, bw)
+        _check_keys(b, {"name", "url", "api_key", "kind"}, bw)
         url = _str(b, "url", bw)
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"`{bw}url` must start with http:// or https://. Given: {url!r}")
         # Anything but a non-empty string is refused: dropping it silently would send
         # the client's own Authorization upstream instead of the backend's key.
         key = _str(b, "api_key", bw) if "api_key" in b else None
+        try:
+            kind = engine_kind(_str(b, "kind", bw, EngineKind.VLLM.value))
+        except ValueError as exc:
+            raise ConfigError(f"`{bw}kind`: {exc}") from exc
         backends.append(BackendConfig(
-            name=_str(b, "name", bw, f"{name}-{j}"), url=url, api_key=key,
+            name=_str(b, "name", bw, f"{name}-{j}"), url=url, api_key=key, kind=kind,
         ))
     names = [b.name for b in backends]
     if len(set(names)) != len(names):

@@ -7,16 +7,11 @@ tokens, the figure vLLM logs as "GPU KV cache size" at start.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["EngineLoad", "engine_load", "kv_capacity_tokens"]
-
-_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
 
 def kv_capacity_tokens(metrics_text: str) -> int | None:
     """Tokens of KV cache the engine reports, or None when it does not say.
@@ -24,18 +19,23 @@ def kv_capacity_tokens(metrics_text: str) -> int | None:
     >>> kv_capacity_tokens('vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0')
     1600
     """
-    match = _INFO.search(metrics_text)
-    if match is None:
-        return None
-    labels = dict(_LABEL.findall(match.group(1)))
     try:
-        blocks = int(labels["num_gpu_blocks"])
-        block_size = int(labels["block_size"])
-    except (KeyError, ValueError):
+        families = list(text_string_to_metric_families(metrics_text))
+    except ValueError:
         return None
-    if blocks <= 0 or block_size <= 0:
-        return None
-    return blocks * block_size
+    for family in families:
+        for sample in family.samples:
+            if sample.name != "vllm:cache_config_info":
+                continue
+            try:
+                blocks = int(sample.labels["num_gpu_blocks"])
+                block_size = int(sample.labels["block_size"])
+            except (KeyError, ValueError):
+                return None
+            if blocks <= 0 or block_size <= 0:
+                return None
+            return blocks * block_size
+    return None
 
 
 _USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")

@@ -219,6 +219,14 @@ class RedisLedger:
             loop.create_task(self._listen()),
         ]
 
+    async def drain(self) -> None:
+        """Wait until every release and renewal queued so far has reached Redis.
+
+        `release()` only queues; a caller that counts releases as done (a benchmark,
+        a shutdown that must not leave leases to the TTL) waits here.
+        """
+        await self._ops.join()
+
     async def close(self) -> None:
         # Give queued releases a moment; whatever is left expires by TTL.
         with contextlib.suppress(TimeoutError):

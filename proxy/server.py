@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from policies.engines import default_output_tokens
 from policies.ordering import make_ordering
 from policies.output import decide_output
 from policies.reservation import AdmissionTarget, OutputHistory, ReservationMode
@@ -111,7 +112,8 @@ class ProxyState:
                 ledger=ledger,
                 ordering=make_ordering(config.queue.ordering,
                                        weights=config.queue.tenant_weights,
-                                       aging_tokens_per_s=config.queue.aging_tokens_per_s),
+                                       aging_tokens_per_s=config.queue.aging_tokens_per_s,
+                                       half_life_s=config.queue.fair_share_half_life_s),
                 placement=mc.placement,
                 max_queue_depth=config.queue.max_depth,
                 starvation_s=config.queue.starvation_s,
@@ -291,9 +293,12 @@ def _deadline(request: web.Request, state: ProxyState) -> float:
 
 
 def _tenant(request: web.Request, state: ProxyState) -> str:
-    tenant = request.headers.get(state.config.queue.tenant_header)
-    if tenant:
-        return tenant[:64]
+    """A hash of the API key; the tenant header only where the operator trusts it
+    (`queue.trust_tenant_header`): any client can set a header to any name."""
+    if state.config.queue.trust_tenant_header:
+        tenant = request.headers.get(state.config.queue.tenant_header)
+        if tenant:
+            return tenant[:64]
     auth = request.headers.get("Authorization", "")
     # surrogateescape: aiohttp decodes header bytes that are not UTF-8 (obs-text) so
     return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:12] if auth else ""
@@ -365,13 +370,11 @@ def _demand(
     reserve_out = 0
     set_to: int | None = None
     for prompt_tokens in prompts:
-        engine_default = (
-            cfg.max_model_len - prompt_tokens
-            if req.endpoint is Endpoint.CHAT
-            else COMPLETIONS_DEFAULT_MAX_TOKENS
-        )
+        engine_default = default_output_tokens(
+            (b.kind for b in cfg.backends), chat=req.endpoint is Endpoint.CHAT,
+            prompt_tokens=prompt_tokens, max_model_len=cfg.max_model_len)
         decision = decide_output(cfg.output, requested=req.max_tokens,
-                                 engine_default=max(0, engine_default))
+                                 engine_default=engine_default)
         if decision.missing:
             raise MaxTokensRequired(
                 f"model {cfg.name!r} requires `max_tokens` (or `max_completion_tokens`): "

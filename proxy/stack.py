@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import tomli_w
+
 from proxy.bundled import bundled_file, bundled_model_dir
 
 __all__ = ["run_local_stack", "spawn_logged", "stop_process", "wait_port"]
@@ -56,34 +58,25 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], name: str, timeout_s: fl
     raise RuntimeError(f"{name} did not open port {port} within {timeout_s:.0f} s")
 
 
-def _replica_config(port: int, redis_port: int, sims: list[int], kv_tokens: int) -> str:
-    backends = "".join(
-        f'\n[[models.backends]]\nname = "sim-{chr(97 + i)}"\nurl = "http://127.0.0.1:{p}"\n'
-        for i, p in enumerate(sims)
-    )
-    return f"""[server]
-listen = "127.0.0.1:{port}"
-health_interval_s = 1.0
-
-[queue]
-max_depth = 64
-default_deadline_s = 10.0
-
-[ledger]
-kind = "redis"
-url = "redis://127.0.0.1:{redis_port}/0"
-lease_ttl_s = 10.0
-key_prefix = "kvgate-local"
-
-[[models]]
-name = "qwen3-14b"
-path = "{bundled_model_dir()}"
-max_model_len = 8192
-
-[models.deployment]
-kv_tokens = {kv_tokens}
-block_size = 16
-{backends}"""
+def _replica_config(port: int, redis_port: int, sims: list[int], kv_tokens: int,
+                    model_dir: Path | None = None) -> str:
+    """One replica's config, built as data and written by a TOML writer (any path is
+    quoted right, backslashes and quotes included)."""
+    config = {
+        "server": {"listen": f"127.0.0.1:{port}", "health_interval_s": 1.0},
+        "queue": {"max_depth": 64, "default_deadline_s": 10.0},
+        "ledger": {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0",
+                   "lease_ttl_s": 10.0, "key_prefix": "kvgate-local"},
+        "models": [{
+            "name": "qwen3-14b",
+            "path": str(model_dir or bundled_model_dir()),
+            "max_model_len": 8192,
+            "deployment": {"kv_tokens": kv_tokens, "block_size": 16},
+            "backends": [{"name": f"sim-{chr(97 + i)}", "url": f"http://127.0.0.1:{p}"}
+                         for i, p in enumerate(sims)],
+        }],
+    }
+    return tomli_w.dumps(config)
 
 
 def run_local_stack(*, base_port: int, workdir: Path, kv_tokens: int,

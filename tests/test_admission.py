@@ -255,11 +255,63 @@ def test_shortest_first_ages_long_requests_ahead() -> None:
 def test_priority_classes_then_weighted_fair_share() -> None:
     policy = PriorityFairShare(weights={"gold": 2.0})
     assert policy.key(view(5, 0, 10, "high", "x"), 0) < policy.key(view(1, 0, 10, "low", "x"), 0)
-    policy.on_admit(view(0, 0, 1000, "normal", "gold"))  # 500 weighted
-    policy.on_admit(view(1, 0, 1000, "normal", "free"))  # 1000 weighted
+    policy.on_admit(view(0, 0, 1000, "normal", "gold"), 0)  # 500 weighted
+    policy.on_admit(view(1, 0, 1000, "normal", "free"), 0)  # 1000 weighted
     assert policy.key(view(2, 0, 10, "normal", "gold"), 0) < policy.key(
         view(3, 0, 10, "normal", "free"), 0
     )
+
+
+def test_fair_share_usage_decays_with_the_half_life() -> None:
+    policy = PriorityFairShare(half_life_s=60.0)
+    policy.on_admit(view(0, 0, 100, tenant="b"), 0.0)
+    policy.on_admit(view(1, 0, 1000, tenant="a"), 0.0)  # starts at b's 100: 1100
+    assert policy.usage("a", 60.0) == pytest.approx(550.0)
+    assert policy.usage("a", 120.0) == pytest.approx(275.0)
+    assert policy.key(view(2, 0, 10, tenant="b"), 0.0) < policy.key(
+        view(3, 0, 10, tenant="a"), 0.0)
+    # heavy use long ago weighs less than light use now: at 600 s a's 1100 is ~1.1,
+    # b's 100 is ~0.1 and b's new 100 counts whole (without decay: 1100 vs 200)
+    policy.on_admit(view(4, 600, 100, tenant="b"), 600.0)
+    assert policy.usage("b", 600.0) == pytest.approx(100.1, abs=0.01)
+    assert policy.key(view(5, 600, 10, tenant="a"), 600.0) < policy.key(
+        view(6, 600, 10, tenant="b"), 600.0)
+
+
+def test_fair_share_new_tenant_starts_at_the_least_usage_not_zero() -> None:
+    """A fresh tenant name per request must not jump ahead of the lightest tenant."""
+    policy = PriorityFairShare(half_life_s=60.0)
+    policy.on_admit(view(0, 0, 400, tenant="light"), 0.0)
+    policy.on_admit(view(1, 0, 1000, tenant="heavy"), 0.0)  # 400 + 1000
+    assert policy.usage("fresh-1", 0.0) == pytest.approx(400.0)
+    light = view(2, 0, 10, tenant="light")
+    churner = view(3, 0, 10, tenant="fresh-2")
+    assert policy.key(light, 0.0) < policy.key(churner, 0.0)  # tie on usage; arrival decides
+    policy.on_admit(churner, 0.0)
+    assert policy.usage("fresh-2", 0.0) == pytest.approx(410.0)
+
+
+def test_fair_share_forgets_the_lightest_half_beyond_max_tenants() -> None:
+    policy = PriorityFairShare(max_tenants=8)
+    for i in range(9):
+        policy.on_admit(view(i, 0, 100 * (i + 1), tenant=f"t{i}"), 0.0)
+    # t0 = 100, then each starts at that least: t_i = 100 + 100 (i + 1)
+    assert policy.usage("t8", 0.0) == pytest.approx(1000.0)
+    # the ninth tenant drops t0..t3; t0 comes back at the least kept (t4 = 600)
+    assert policy.usage("t0", 0.0) == pytest.approx(600.0)
+
+
+def test_admission_without_queueing_is_charged_to_the_tenant() -> None:
+    async def scenario() -> None:
+        ctl, _ = controller(1000, ordering="priority")
+        lease = await ctl.acquire(demand(100, tenant="fast"), soon())
+        lease.release()
+        policy = ctl._ordering
+        assert isinstance(policy, PriorityFairShare)
+        assert policy.usage("fast", asyncio.get_running_loop().time()) == pytest.approx(
+            100.0, rel=1e-3)
+
+    asyncio.run(scenario())
 
 
 def test_unknown_ordering_lists_choices() -> None:
@@ -387,3 +439,8 @@ def test_engine_metrics_give_measured_capacity() -> None:
     assert kv_capacity_tokens(vllm_text) == 437_600
     assert kv_capacity_tokens("vllm:num_requests_running 3\n") is None
     assert kv_capacity_tokens('vllm:cache_config_info{block_size="16"} 1\n') is None
+    # label values are strings: a brace or an escaped quote inside one is still one label
+    odd = ('vllm:cache_config_info{note="a} \\"b\\"",block_size="16",num_gpu_blocks="100"}'
+           " 1.0\n")
+    assert kv_capacity_tokens(odd) == 1600
+    assert kv_capacity_tokens("not prometheus {{{\n") is None

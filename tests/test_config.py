@@ -114,3 +114,42 @@ def test_priority_by_api_key_must_name_a_class() -> None:
     assert cfg.queue.priority_by_api_key == {"k1": "high"}
     with pytest.raises(ConfigError, match="priority_by_api_key"):
         parse_config({**base(), "queue": {"priority_by_api_key": {"k1": "urgent"}}}, base=ROOT)
+
+
+def test_backend_kind_defaults_to_vllm_and_unknown_kinds_are_refused() -> None:
+    from policies.engines import EngineKind, default_output_tokens
+
+    def with_kind(kind: str | None) -> dict[str, Any]:
+        backend = {"url": "http://127.0.0.1:9"} | ({"kind": kind} if kind else {})
+        return {"models": [{"name": "m", "path": str(QWEN), "max_model_len": 4096,
+                            "deployment": {"kv_tokens": 4096}, "backends": [backend]}]}
+
+    assert parse_config(with_kind(None), base=Path.cwd()).models[0].backends[0].kind == "vllm"
+    parsed = parse_config(with_kind("llama.cpp"), base=Path.cwd())
+    assert parsed.models[0].backends[0].kind is EngineKind.LLAMA_CPP
+    with pytest.raises(ConfigError, match=r"models\[0\]\.backends\[0\]\.kind`: unknown engine"):
+        parse_config(with_kind("ollama"), base=Path.cwd())
+    # several engines behind one model: the largest default; never past the context
+    both = [EngineKind.VLLM, EngineKind.LLAMA_CPP]
+    assert default_output_tokens(both, chat=False, prompt_tokens=100, max_model_len=4096) == 3996
+    assert default_output_tokens([EngineKind.SGLANG], chat=False, prompt_tokens=100,
+                                 max_model_len=4096) == 16
+    # vLLM checks prompt + its default 16 against the context: not cut to the 6 left
+    assert default_output_tokens([EngineKind.VLLM], chat=False, prompt_tokens=4090,
+                                 max_model_len=4096) == 16
+    assert default_output_tokens([EngineKind.LLAMA_CPP], chat=False, prompt_tokens=4090,
+                                 max_model_len=4096) == 6
+    assert default_output_tokens([EngineKind.TGI], chat=True, prompt_tokens=5000,
+                                 max_model_len=4096) == 0
+
+
+def test_fair_share_keys_default_and_refusals() -> None:
+    base = {"models": [{"name": "m", "path": str(QWEN), "max_model_len": 4096,
+                        "deployment": {"kv_tokens": 4096},
+                        "backends": [{"url": "http://127.0.0.1:9"}]}]}
+    queue = parse_config(base, base=Path.cwd()).queue
+    assert (queue.trust_tenant_header, queue.fair_share_half_life_s) == (False, 60.0)
+    with pytest.raises(ConfigError, match="`queue.trust_tenant_header` must be true or false"):
+        parse_config({**base, "queue": {"trust_tenant_header": "yes"}}, base=Path.cwd())
+    with pytest.raises(ConfigError, match="`queue.fair_share_half_life_s` must be > 0"):
+        parse_config({**base, "queue": {"fair_share_half_life_s": 0}}, base=Path.cwd())

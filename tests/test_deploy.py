@@ -22,6 +22,7 @@ import yaml
 from proxy.cli import check_config_report, main
 from proxy.config import parse_config
 from tests.support.servers import wait_status
+from tests.support.tasks import stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +108,15 @@ def test_compose_kvgate_configs_pass_check_config(
     assert names <= set(services)
 
 
-def test_gpu_config_capacity_is_the_plan_figure() -> None:
+def test_gpu_config_takes_the_engines_capacity_with_the_plan_figure_as_fallback() -> None:
+    """Nothing in the gpu profile was measured: the backends report their capacity,
+    and until they do the estimate applies."""
+    from proxy.config import load_config
+
+    cfg = load_config(ROOT / "deploy" / "kvgate-gpu.toml")
+    assert cfg.models[0].capacity_from_backend is True
+    text = (ROOT / "deploy" / "kvgate-gpu.toml").read_text()
+    assert "measured on this card" not in text
     report = check_config_report(str(ROOT / "deploy" / "kvgate-gpu.toml"))
     # 40960 MiB x 0.9 - 29.6e9 weights - 2 GiB reserve = 6,907,222,016 B;
     # / 163,840 B per token -> 2,634 whole 16-token blocks = 42,144 tokens
@@ -190,7 +199,7 @@ def test_local_stack_through_load_balancer_holds_ceiling_across_replicas(tmp_pat
             sampler = asyncio.create_task(sample())
             async with asyncio.timeout(60):
                 await asyncio.gather(*(one(i) for i in range(36)))
-            sampler.cancel()
+            await stop(sampler)
             assert max(peaks) <= kv_tokens
             assert sum(peaks) > kv_tokens  # both backends carried load
             assert set(statuses) <= {200, 429}

@@ -214,3 +214,19 @@ def test_image_layout_sim_config_passes_check_config(installed: Installed, workd
     report = json.loads(check.stdout)
     assert report["models"][0]["name"] == "qwen3-14b"
     assert [b["capacity_tokens"] for b in report["models"][0]["backends"]] == [16384, 16384]
+
+
+def test_local_stack_replica_config_quotes_any_model_path(tmp_path: Path) -> None:
+    """Written by a TOML writer: a path with quotes and backslashes stays one string."""
+    import tomllib
+
+    from proxy.config import parse_config
+    from proxy.stack import _replica_config
+
+    odd = tmp_path / 'we"ird\\dir'
+    shutil.copytree(QWEN, odd)
+    data = tomllib.loads(_replica_config(9001, 9002, [9003, 9004], 4096, model_dir=odd))
+    assert data["models"][0]["path"] == str(odd)
+    config = parse_config(data, base=tmp_path)
+    assert [b.url for b in config.models[0].backends] == ["http://127.0.0.1:9003",
+                                                           "http://127.0.0.1:9004"]

@@ -13,8 +13,11 @@ import pytest
 from aiohttp import web
 
 from proxy.sim.server import bound_port
+from tests.support.metrics import families, samples
+from tests.support.reference import hf_count, hf_tokenizer
 from tests.support.servers import fake_backend, wait_status
-from tests.support.stack import MODEL, Stack, running_stack
+from tests.support.stack import MODEL, MODELS, Stack, running_stack
+from tests.support.tasks import stop
 
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -45,8 +48,10 @@ def test_sdk_answers_arrive_unchanged_streaming_and_not() -> None:
             assert answer.choices[0].message.content == direct["choices"][0]["message"]["content"]
             assert answer.choices[0].finish_reason == "length"
             assert answer.usage is not None and answer.usage.completion_tokens == 12
-            assert answer.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
-            assert raw.headers["x-kvgate-prompt-tokens"] == str(answer.usage.prompt_tokens)
+            # both sides count with kvgate's counter: check them against transformers
+            exact = hf_count(hf_tokenizer(MODELS / MODEL), {"messages": MSGS})
+            assert answer.usage.prompt_tokens == direct["usage"]["prompt_tokens"] == exact
+            assert raw.headers["x-kvgate-prompt-tokens"] == str(exact)
             # prompt + 12 output tokens, rounded up to 16-token blocks
             reserved = -(-(answer.usage.prompt_tokens + 12) // 16) * 16
             assert raw.headers["x-kvgate-reserved-tokens"] == str(reserved)
@@ -192,7 +197,7 @@ def test_overload_3x_pool_holds_the_ceiling_with_zero_preemptions() -> None:
             # ~300 resident tokens each; 40 at once is 12,000 tokens: ~3x the 4,096 pool
             async with asyncio.timeout(60):
                 await asyncio.gather(*(one(i) for i in range(40)))
-            sampler.cancel()
+            await stop(sampler)
             assert violations == []
             for i in range(2):
                 sim = await stack.sim_state(s, i)
@@ -258,8 +263,37 @@ def test_client_disconnect_while_queued_leaves_the_queue() -> None:
 
 
 def test_upstream_down_before_first_byte_is_502_and_releases() -> None:
+    """A backend that answers /health but drops the completion's connection before any
+    byte: the lease was made, so the answer is exactly 502 and the ledger is back to 0."""
+    calls: list[int] = []
+
+    async def hang_up(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        calls.append(1)
+        assert request.transport is not None
+        request.transport.close()  # no status line, no byte
+        return web.Response()
+
     async def scenario() -> None:
-        # a port with nothing listening: connection refused before any byte
+        async with fake_backend(hang_up) as url, \
+                running_stack(backends=0, extra_backend_urls=[url]) as stack, \
+                aiohttp.ClientSession() as s:
+            await wait_status(s, f"{stack.url}/readyz", 200, timeout_s=3)
+            async with s.post(f"{stack.url}/v1/chat/completions",
+                              json={"model": MODEL, "messages": MSGS, "max_tokens": 5}) as resp:
+                data = await resp.json()
+                assert (resp.status, data["error"]["code"]) == (502, "upstream_error"), data
+            assert calls == [1]  # it reached the backend: a reservation was held
+            assert stack.resident() == {"sim-0": 0}
+            assert stack.state.ledger.lease_count("sim-0") == 0
+            assert stack.state.backends()[0].inflight == 0
+
+    asyncio.run(scenario())
+
+
+def test_backend_that_refuses_connections_is_marked_down_and_503() -> None:
+    async def scenario() -> None:
+        # a port with nothing listening: connection refused, for the probe too
         probe = web.AppRunner(web.Application())
         await probe.setup()
         site = web.TCPSite(probe, "127.0.0.1", 0)
@@ -268,21 +302,13 @@ def test_upstream_down_before_first_byte_is_502_and_releases() -> None:
         await probe.cleanup()
         async with running_stack(backends=0, extra_backend_urls=[dead]) as stack, \
                 aiohttp.ClientSession() as s:
-            stack.state.backends()[0].healthy = True
-            async with s.post(f"{stack.url}/v1/chat/completions",
-                              json={"model": MODEL, "messages": MSGS, "max_tokens": 5}) as resp:
-                data = await resp.json()
-                status = resp.status
-            # either the probe already marked it down (503) or the forward failed (502)
-            assert (status, data["error"]["code"]) in {(502, "upstream_error"),
-                                                       (503, "no_backend")}
-            assert stack.resident() == {"sim-0": 0}
             await wait_status(s, f"{stack.url}/readyz", 503, timeout_s=3)
             async with s.post(f"{stack.url}/v1/chat/completions",
                               json={"model": MODEL, "messages": MSGS, "max_tokens": 5}) as resp:
                 assert resp.status == 503
                 assert (await resp.json())["error"]["code"] == "no_backend"
                 assert "Retry-After" in resp.headers
+            assert stack.resident() == {"sim-0": 0}
 
     asyncio.run(scenario())
 
@@ -389,16 +415,25 @@ def test_metrics_admin_state_models_and_health_endpoints() -> None:
                                                         max_tokens=4)
             async with s.get(f"{stack.url}/metrics") as r:
                 text = await r.text()
-            for name in ("kvgate_requests_total", "kvgate_rejections_total",
-                         "kvgate_queue_wait_seconds_bucket", "kvgate_queue_depth",
-                         "kvgate_resident_tokens", "kvgate_capacity_tokens",
-                         "kvgate_prompt_tokens_bucket", "kvgate_reserved_tokens_bucket",
-                         "kvgate_tokenize_seconds_bucket",
-                         "kvgate_upstream_first_byte_seconds_bucket",
-                         "kvgate_inflight_requests", "kvgate_inflight_requests_peak",
-                         "kvgate_headroom_tokens_min", "kvgate_ledger_available 1.0"):
-                assert name in text, name
-            assert 'kvgate_requests_total{model="qwen3-14b",outcome="completed"} 1.0' in text
+            got = samples(text)
+            # one completed request, nothing rejected, nothing held or waiting now
+            assert got["kvgate_requests_total"] == [
+                ({"model": MODEL, "outcome": "completed"}, 1.0)]
+            assert "kvgate_rejections" in families(text)
+            assert sum(v for _, v in got.get("kvgate_rejections_total", [])) == 0
+            for name in ("kvgate_queue_wait_seconds", "kvgate_prompt_tokens",
+                         "kvgate_reserved_tokens", "kvgate_tokenize_seconds",
+                         "kvgate_upstream_first_byte_seconds"):
+                assert [v for _, v in got[f"{name}_count"]] == [1.0], name
+                assert got[f"{name}_bucket"], name
+            assert {lab["backend"]: v for lab, v in got["kvgate_capacity_tokens"]} == {
+                "sim-0": 4096.0, "sim-1": 4096.0}
+            assert {v for _, v in got["kvgate_resident_tokens"]} == {0.0}
+            assert {v for _, v in got["kvgate_inflight_requests"]} == {0.0}
+            assert max(v for _, v in got["kvgate_inflight_requests_peak"]) == 1.0
+            assert [v for _, v in got["kvgate_queue_depth"]] == [0.0]
+            assert got["kvgate_headroom_tokens_min"]
+            assert got["kvgate_ledger_available"] == [({}, 1.0)]
             async with s.get(f"{stack.url}/admin/state") as r:
                 st = await r.json()
             backends = st["models"][MODEL]["backends"]
@@ -525,5 +560,53 @@ def test_large_body_arriving_in_pieces_is_read_whole() -> None:
             assert resp.status == 400
             assert data["error"]["code"] == "context_length_exceeded"
             assert int(resp.headers["x-kvgate-prompt-tokens"]) > 60_000
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("kind", "expected"), [("vllm", "16"), ("sglang", "16"),
+                                                 ("tgi", "rest"), ("llama.cpp", "rest")])
+def test_completions_without_max_tokens_reserve_the_engines_default(
+    kind: str, expected: str
+) -> None:
+    """vLLM and SGLang generate 16 tokens for a completion without `max_tokens`; TGI and
+    llama.cpp generate until the context ends, so kvgate reserves the whole rest."""
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=8192, backend={"kind": kind}) as stack, \
+                aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": "The capital of France is"}
+            async with s.post(f"{stack.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                prompt = int(resp.headers["x-kvgate-prompt-tokens"])
+                reserved = int(resp.headers["x-kvgate-reserved-tokens"])
+            assert reserved == (-(-(prompt + 16) // 16) * 16 if expected == "16" else 8192)
+            await settle(stack)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_tenant_is_the_api_key_unless_the_header_is_trusted(trust: bool) -> None:
+    """A client-set tenant header names the tenant only with `queue.trust_tenant_header`;
+    otherwise one API key is one tenant, whatever names it sends. Every admission,
+    queued or not, is charged."""
+    from policies.ordering import PriorityFairShare
+
+    async def scenario() -> None:
+        queue = {"ordering": "priority", "trust_tenant_header": trust}
+        async with running_stack(backends=1, queue=queue) as stack, \
+                aiohttp.ClientSession() as s:
+            for name in ("alpha", "beta", "gamma"):
+                body = {"model": MODEL, "messages": MSGS, "max_tokens": 4}
+                headers = {"Authorization": "Bearer key-1", "x-kvgate-tenant": name}
+                async with s.post(f"{stack.url}/v1/chat/completions", json=body,
+                                  headers=headers) as resp:
+                    assert resp.status == 200, await resp.text()
+            await settle(stack)
+            policy = stack.state.models[MODEL].controller._ordering
+            assert isinstance(policy, PriorityFairShare)
+            tenants = sorted(policy._usage)
+            assert tenants == (["alpha", "beta", "gamma"] if trust else tenants[:1])
+            assert len(tenants) == (3 if trust else 1)
 
     asyncio.run(scenario())

@@ -53,10 +53,10 @@ def test_redis_reserve_over_capacity_returns_false_release_twice_is_noop(
             assert await led.resident_now("gpu-b") == 0
             led.release(a)
             led.release(a)
-            await led._ops.join()
+            await led.drain()
             assert await led.resident_now("gpu-a") == 40
             led.release(b)
-            await led._ops.join()
+            await led.drain()
             assert await led.resident_now("gpu-a") == 0
 
     asyncio.run(scenario())
@@ -142,7 +142,7 @@ def test_redis_live_leases_survive_many_ttls_by_renewal(redis_server: RedisServe
             assert await led.resident_now("gpu-a") == 70
             assert not await led.reserve("gpu-a", lid(), 31, 100)
             led.release(lease)
-            await led._ops.join()
+            await led.drain()
             assert await led.resident_now("gpu-a") == 0
 
     asyncio.run(scenario())
@@ -210,7 +210,7 @@ def test_redis_outage_refuses_admission_and_restores_exact_accounting(
             assert await led.resident_now("gpu-a") == 30
             assert led.readded_total >= 1
             led.release(kept)
-            await led._ops.join()
+            await led.drain()
             assert await led.resident_now("gpu-a") == 0
 
     asyncio.run(scenario())
@@ -250,7 +250,7 @@ def test_redis_reserve_retried_after_a_lost_reply_counts_once(
             with pytest.raises(ValueError, match="already recorded with 30 tokens"):
                 await led.reserve("gpu-a", lease, 31, 100)
             led.release(lease)
-            await led._ops.join()
+            await led.drain()
             assert await led.resident_now("gpu-a") == 0
 
     asyncio.run(scenario())
@@ -271,14 +271,14 @@ def test_redis_reserve_whose_reply_is_lost_is_undone(redis_server: RedisServer) 
                 warm = lid()  # Redis caches the script, so the next EVALSHA runs it
                 assert await led.reserve("gpu-a", warm, 10, 100)
                 led.release(warm)
-                await led._ops.join()
+                await led.drain()
                 relay.drop_replies = True
                 with pytest.raises(LedgerUnavailable):
                     await led.reserve("gpu-a", lid(), 40, 100)
                 assert int(await admin.get(led.keys("gpu-a")[0]) or 0) == 40  # it did run
                 relay.drop_replies = False
                 async with asyncio.timeout(5):
-                    await led._ops.join()
+                    await led.drain()
                 assert await admin.get(led.keys("gpu-a")[0]) == b"0"
                 assert await admin.hlen(led.keys("gpu-a")[1]) == 0
             finally:
@@ -313,5 +313,23 @@ def test_redis_refresh_pass_reclaims_expired_leases_within_ttl_plus_refresh(
             assert survivor.resident("gpu-a") == 0
             assert reclaimed_s <= ttl_s + refresh_s + 0.5  # + one round trip and scheduling
             assert survivor.reclaimed_total == 1
+
+    asyncio.run(scenario())
+
+
+def test_redis_release_is_queued_and_drain_waits_until_redis_applied_it(
+    redis_server: RedisServer,
+) -> None:
+    """What benchmarks/bench_ledger.py counts: a pair is done once its release is in Redis."""
+    async def scenario() -> None:
+        async with started(redis_server) as led:
+            leases = [lid() for _ in range(200)]
+            for lease in leases:
+                assert await led.reserve("gpu-a", lease, 16, 10**9)
+            for lease in leases:
+                led.release(lease)
+            assert await led.resident_now("gpu-a") > 0  # queued, not applied yet
+            await led.drain()
+            assert await led.resident_now("gpu-a") == 0
 
     asyncio.run(scenario())

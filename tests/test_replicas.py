@@ -16,6 +16,7 @@ import redis
 from tests.support.procs import Proc, start_proxy, start_sim
 from tests.support.redis_server import RedisServer
 from tests.support.servers import wait_status
+from tests.support.tasks import stop
 
 KV_TOKENS = 2048
 BACKENDS = ("gpu-0", "gpu-1")
@@ -91,7 +92,7 @@ def test_three_replicas_overload_never_exceed_capacity(
                 # ~290 tokens each, 45 at once ~ 13,000 tokens against a 4,096-token ceiling
                 async with asyncio.timeout(90):
                     await asyncio.gather(*(one(i) for i in range(45)))
-                sampler.cancel()
+                await stop(sampler)
                 assert len(samples) > 20
                 assert max(a for a, _ in samples) <= KV_TOKENS
                 assert max(b for _, b in samples) <= KV_TOKENS

@@ -12,8 +12,10 @@ import aiohttp
 import pytest
 
 from proxy.sim.engine import EngineConfig, OutputLength, SimEngine
-from proxy.tokenize import ChatRequest, load_counter
+from tests.support.metrics import samples
+from tests.support.reference import hf_count, hf_tokenizer
 from tests.support.servers import running_sim
+from tests.support.tasks import stop
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -40,9 +42,10 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
 
 def test_sim_finish_reason_and_usage_exact_with_real_tokenizer() -> None:
     async def scenario() -> None:
-        counter = load_counter(MODELS / "qwen3-14b")
         msgs = [{"role": "user", "content": "What is the capital of France?"}]
-        expected_prompt = counter.count_chat(ChatRequest(messages=msgs))
+        # transformers, not the counter the simulator itself uses
+        expected_prompt = hf_count(hf_tokenizer(MODELS / "qwen3-14b"), {"messages": msgs})
+        assert expected_prompt == 15
         async with running_sim(kv_tokens=4096, output_length=OutputLength.MAX,
                                model="qwen3", model_dir=str(MODELS / "qwen3-14b")) as base, \
                 aiohttp.ClientSession() as s:
@@ -139,7 +142,7 @@ async def _burst(base: str, count: int, max_tokens: int) -> tuple[float, dict[st
         sampler = asyncio.create_task(sample())
         async with asyncio.timeout(60):
             latencies = await asyncio.gather(*(one() for _ in range(count)))
-        sampler.cancel()
+        await stop(sampler)
         final = await state(s, base)
         final["sampled_peak"] = peak
         return max(latencies), final
@@ -191,10 +194,13 @@ def test_sim_metrics_use_vllm_names_and_models_health() -> None:
                 pass
             async with s.get(f"{base}/metrics") as resp:
                 text = await resp.text()
+            got = samples(text)
             for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
-                         "vllm:num_requests_waiting", "vllm:num_preemptions_total",
-                         "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
-                assert f"\n{name}{{" in "\n" + text, name
+                         "vllm:num_requests_waiting", "vllm:num_preemptions_total"):
+                assert got[name], name
+            # one request: its prompt and its 3 generated tokens
+            assert [v for _, v in got["vllm:generation_tokens_total"]] == [3.0]
+            assert next(v for _, v in got["vllm:prompt_tokens_total"]) > 0
             assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="256"' in text
             async with s.get(f"{base}/v1/models") as resp:
                 assert (await resp.json())["data"][0]["id"] == "sim-model"
@@ -399,5 +405,21 @@ def test_kvgate_forwards_stop_fields_unread() -> None:
             reason, n, reserved_out, prompt = await ask(sim_output_tokens=6)
             assert (reason, n) == ("stop", 6)
             assert reserved_out >= 8192 - prompt  # fill: max_model_len - prompt
+
+    asyncio.run(scenario())
+
+
+def test_an_assertion_in_a_stopped_background_check_reaches_the_test() -> None:
+    async def scenario() -> None:
+        async def check() -> None:
+            raise AssertionError("over the pool")
+
+        task = asyncio.create_task(check())
+        await asyncio.sleep(0)
+        with pytest.raises(AssertionError, match="over the pool"):
+            await stop(task)
+        idle = asyncio.create_task(asyncio.sleep(10))
+        await stop(idle)  # a plain cancel is not a failure
+        assert idle.cancelled()
 
     asyncio.run(scenario())

@@ -27,6 +27,7 @@ from proxy.tokenize import (
     load_counter,
 )
 from proxy.tokenize.bytelevel import ENV_SWITCH
+from proxy.tokenize.templates import content_format, read_chat_template
 from proxy.validation import parse_chat_file
 from tests.support.corpus import WEATHER_TOOL, conversations
 from tests.support.reference import hf_count, hf_tokenizer
@@ -123,6 +124,76 @@ def test_text_parts_count_like_joined_string() -> None:
     assert counter.count_chat(ChatRequest(messages=parts)) == counter.count_chat(
         ChatRequest(messages=joined)
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("qwen3-14b", "string"), ("gpt-oss-20b", "string"), ("deepseek-v3", "string"),
+     ("mistral-nemo-instruct-2407", "string"), ("gemma-3-12b-it", "openai")],
+)
+def test_content_format_is_read_from_the_template_tree(name: str, expected: str) -> None:
+    """Gemma 3 loops `for item in message['content']` over `loop_messages = messages[1:]`."""
+    config_file = MODELS / name / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    template = read_chat_template(MODELS / name, config)
+    assert isinstance(template, str)
+    assert content_format(template) == expected
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}",
+         "openai"),
+        ("{% for m in messages | reverse %}{% for p in m['content'] | list %}{{ p }}"
+         "{% endfor %}{% endfor %}", "openai"),
+        ("{% set ms = messages %}{% set rest = ms[1:] %}{% for m in rest %}"
+         "{% for p in m['content'] %}{{ p }}{% endfor %}{% endfor %}", "openai"),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+        # a loop over something else's content is not a message's content
+        ("{% for d in documents %}{% for p in d['content'] %}{{ p }}{% endfor %}{% endfor %}",
+         "string"),
+        ("{% for m in messages %", "string"),
+    ],
+)
+def test_content_format_forms(template: str, expected: str) -> None:
+    assert content_format(template) == expected
+
+
+GEMMA_PARTS = [
+    [{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                  {"type": "text", "text": "  world  "}]}],
+    [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+     {"role": "user", "content": [{"type": "text", "text": "Name"},
+                                  {"type": "text", "text": "three rivers."}]},
+     {"role": "assistant", "content": [{"type": "text", "text": "Nile, Rhine, Amazon."}]},
+     {"role": "user", "content": "And their lengths?"}],
+    SAMPLE,
+]
+
+
+@pytest.fixture(scope="module")
+def gemma() -> tuple[TokenCounter, Any]:
+    counter = load_counter(MODELS / "gemma-3-12b-it")
+    assert isinstance(counter, TokenCounter)
+    return counter, hf_tokenizer(MODELS / "gemma-3-12b-it")
+
+
+@pytest.mark.parametrize("index", range(len(GEMMA_PARTS)))
+def test_gemma3_content_parts_count_as_transformers(
+    gemma: tuple[TokenCounter, Any], index: int
+) -> None:
+    """Gemma 3's template reads the parts itself (trimming each, no newline between):
+    joining them first would add a token per join."""
+    counter, reference = gemma
+    messages = GEMMA_PARTS[index]
+    ours = counter.count_chat(ChatRequest(messages=copy.deepcopy(messages)))
+    assert ours == hf_count(reference, {"messages": copy.deepcopy(messages)})
+
+
+def test_gemma3_sample_conversation_count() -> None:
+    # 45: transformers' apply_chat_template on the sample (models/README.md)
+    assert load_counter(MODELS / "gemma-3-12b-it").count_chat(ChatRequest(messages=SAMPLE)) == 45
 
 
 def test_none_valued_keys_are_dropped_before_rendering() -> None:
@@ -305,3 +376,22 @@ def test_mistral_tekken_counts_as_mistral_common_publishes() -> None:
     with pytest.raises(TemplateError, match="must start with a user message"):
         counter.count_chat(ChatRequest(messages=[{"role": "assistant", "content": "x"}]))
 
+
+
+def test_mistral_final_assistant_message_continues_as_prefix() -> None:
+    """vLLM's Mistral mode marks a final assistant message `prefix=True` and continues it
+    (no `</s>`); mistral-common on its own refuses such a conversation."""
+    from mistral_common.protocol.instruct.messages import AssistantMessage, UserMessage
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    counter = load_counter(MODELS / "mistral-nemo-instruct-2407")
+    reference = MistralTokenizer.from_file(str(MODELS / "mistral-nemo-instruct-2407" /
+                                               "tekken.json"))
+    encoded = reference.encode_chat_completion(ChatCompletionRequest(messages=[
+        UserMessage(content="Hi"), AssistantMessage(content="Hello, I am", prefix=True)]))
+    assert encoded.text == "<s>[INST]Hi[/INST]Hello, I am"
+    assert len(encoded.tokens) == 8
+    for final in ("Hello, I am", [{"type": "text", "text": "Hello, I am"}]):
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": final}]
+        assert counter.count_chat(ChatRequest(messages=chat)) == 8

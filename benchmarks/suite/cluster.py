@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import tomli_w
 
 from benchmarks.suite.loadgen import Sample
 from proxy.stack import spawn_logged, stop_process, wait_port
@@ -102,35 +103,9 @@ def kvgate_config(params: SimParams, gate: GateSettings, *, port: int,
     return config
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {type(value).__name__}")
-
-
-def _is_tables(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
-
-
-def to_toml(data: Mapping[str, Any], prefix: str = "") -> str:
-    """The small TOML subset kvgate's config uses: scalars, arrays, tables, arrays of tables."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items()
-             if not isinstance(v, Mapping) and not _is_tables(v)]
-    out = "\n".join(lines) + ("\n" if lines else "")
-    for k, v in data.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out += f"\n[{name}]\n" + to_toml(v, f"{name}.")
-        elif _is_tables(v):
-            for item in v:
-                out += f"\n[[{name}]]\n" + to_toml(item, f"{name}.")
-    return out
+def to_toml(data: Mapping[str, Any]) -> str:
+    """kvgate's config as TOML, by a TOML writer."""
+    return tomli_w.dumps(data)
 
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)\{[^}]*\} (\S+)$", re.MULTILINE)

@@ -253,6 +253,10 @@ class ByteLevelBPEEncoder:
     def __init__(self, *, reference: HFEncoder, core: Any, plan: FastPlan,
                  splitter: SpecialSplitter) -> None:
         self._ref = reference
+        # The core itself, not `Encoding.encode_ordinary`: that public wrapper catches
+        # UnicodeEncodeError and re-encodes lone surrogates as U+FFFD, ids `tokenizers`
+        # does not give; here the error reaches `encode_segment`, which asks the
+        # reference (tests/test_fast_bpe.py checks it on surrogates).
         self._core_encode = core._core_bpe.encode_ordinary
         self._pre_splits = [_compile_split(p) for p in plan.pre_splits]
         self._unassigned = _unassigned_chars() if self._pre_splits else None

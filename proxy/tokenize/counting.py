@@ -16,9 +16,10 @@ import jinja2
 from proxy.tokenize.base import ChatRequest, Encoder, TemplateError, TokenizerLoadError
 from proxy.tokenize.cache import DEFAULT_CACHE_BYTES, CacheStats, CountCache, SegmentCounter
 from proxy.tokenize.templates import (
-    PARTS_LOOP,
     ChatTemplate,
+    ContentFormat,
     compile_template,
+    content_format,
     parse_tool_call,
 )
 
@@ -99,7 +100,9 @@ class TokenCounter(_OffLoop):
 
     @cached_property
     def _joins_text_parts(self) -> bool:
-        return not any(PARTS_LOOP.search(t) for t in self._templates.values())
+        """vLLM detects the format of the template it renders with; kvgate, of every
+        template the model names (they are one family's variants)."""
+        return all(content_format(t) is ContentFormat.STRING for t in self._templates.values())
 
     def _template(self, *, tools: bool) -> ChatTemplate:
         if not self._templates:
@@ -230,14 +233,26 @@ class MistralTokenCounter(_OffLoop):
 
     def count_chat(self, chat: ChatRequest) -> int:
         from mistral_common.exceptions import MistralCommonException
+        from mistral_common.protocol.instruct.messages import AssistantMessage
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
         from pydantic import ValidationError
 
         if not chat.messages:
             raise TemplateError("`messages` must not be empty")
         messages = [{k: v for k, v in m.items() if v is not None} for m in chat.messages]
+        for message in messages:
+            # mistral-common takes an assistant's content only as a string (vLLM joins it)
+            content = message.get("content")
+            if message.get("role") == "assistant" and isinstance(content, list):
+                message["content"] = "\n".join(
+                    str(part.get("text", "")) for part in content if isinstance(part, Mapping))
         try:
             request = ChatCompletionRequest.from_openai(messages=messages, tools=chat.tools)
+            last = request.messages[-1]
+            if isinstance(last, AssistantMessage):
+                # vLLM's Mistral mode continues a final assistant message as a prefix
+                # (`prefix=True`: no end-of-turn), where mistral-common alone refuses it.
+                request.messages[-1] = last.model_copy(update={"prefix": True})
             tokens: list[int] = self._tok.encode_chat_completion(request).tokens
         except (MistralCommonException, ValidationError, ValueError, TypeError) as exc:
             raise TemplateError(f"Mistral request encoder rejected the request: {exc}") from exc

@@ -135,6 +135,11 @@ class HFEncoder:
 _tiktoken_lock = threading.Lock()
 
 
+def _special_ids(enc: Any) -> dict[str, int]:
+    """Special token -> id through tiktoken's public API."""
+    return {token: int(enc.encode_single_token(token)) for token in enc.special_tokens_set}
+
+
 class TiktokenEncoder:
     """A tiktoken encoding loaded from a local rank file, never from the network."""
 
@@ -152,7 +157,8 @@ class TiktokenEncoder:
         self.fast = True
         if rank_file is None:
             self._enc = self._from_cache(name)
-            self.splitter = SpecialSplitter(self._enc._special_tokens)
+            self._special = _special_ids(self._enc)
+            self.splitter = SpecialSplitter(self._special)
             return
         real_loader = openai_public.load_tiktoken_bpe
 
@@ -180,9 +186,10 @@ class TiktokenEncoder:
             special_tokens=spec["special_tokens"],
             explicit_n_vocab=spec.get("explicit_n_vocab"),
         )
+        self._special = _special_ids(self._enc)
         # tiktoken itself finds specials with a regex and encodes the text between
         # them separately: splitting first gives the same ids.
-        self.splitter = SpecialSplitter(self._enc._special_tokens)
+        self.splitter = SpecialSplitter(self._special)
 
     @staticmethod
     def _from_cache(name: str) -> Any:
@@ -230,6 +237,5 @@ class TiktokenEncoder:
         return self.splitter.split(text)
 
     def token_id(self, token: str) -> int | None:
-        special: dict[str, int] = self._enc._special_tokens
-        return special.get(token)
+        return self._special.get(token)
 

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
 from jinja2.runtime import new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from proxy.tokenize.base import TokenizerLoadError
 
-__all__ = ["PARTS_LOOP", "ChatTemplate", "compile_template", "parse_tool_call",
-           "read_chat_template", "read_json", "special_token_text"]
+__all__ = ["ChatTemplate", "ContentFormat", "compile_template", "content_format",
+           "parse_tool_call", "read_chat_template", "read_json", "special_token_text"]
 
 
 def _raise_exception(message: str) -> None:
@@ -90,7 +91,7 @@ class ChatTemplate:
         return rendered
 
 
-def compile_template(template: str) -> ChatTemplate:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -100,15 +101,94 @@ def compile_template(template: str) -> ChatTemplate:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _SafeNamespace
+    return env
+
+
+def compile_template(template: str) -> ChatTemplate:
     try:
-        return ChatTemplate(env.from_string(template))
+        return ChatTemplate(_environment().from_string(template))
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise TokenizerLoadError(f"chat template does not compile: {exc}") from exc
 
 
-# A template that loops over a message's content reads OpenAI-style parts itself;
-# others expect a string, and vLLM joins text parts with "\n" for them.
-PARTS_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[['\"]content['\"]\]|\.content)\b")
+class ContentFormat(StrEnum):
+    """How a template reads `message['content']` (vLLM's "chat template content format").
+
+    OPENAI templates loop over the content themselves and get the list of parts as
+    sent; STRING templates expect a string, and vLLM joins text parts with "\n".
+    """
+
+    STRING = "string"
+    OPENAI = "openai"
+
+
+def _is_name(node: nodes.Node, name: str) -> bool:
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _is_key(node: nodes.Node, name: str, key: str) -> bool:
+    """`name['key']` or `name.key`."""
+    if isinstance(node, nodes.Getitem):
+        return (_is_name(node.node, name) and isinstance(node.arg, nodes.Const)
+                and node.arg.value == key)
+    if isinstance(node, nodes.Getattr):
+        return _is_name(node.node, name) and node.attr == key
+    return False
+
+
+def _reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
+    """`node` is `name` (or `name[key]`), maybe filtered, tested or sliced:
+    `messages | reverse`, `messages[1:]`, `message['content'] | list` all count."""
+    if isinstance(node, (nodes.Filter, nodes.Test)):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads(node.node, name, key)
+    return _is_key(node, name, key) if key is not None else _is_name(node, name)
+
+
+def _aliases(root: nodes.Template, name: str) -> list[str]:
+    """`name` and every variable set from it, transitively
+    (`{% set loop_messages = messages[1:] %}` makes `loop_messages` one)."""
+    found = [name]
+    todo = [name]
+    while todo:
+        current = todo.pop()
+        for assign in root.find_all(nodes.Assign):
+            target = assign.target
+            if (isinstance(target, nodes.Name) and target.name not in found
+                    and _reads(assign.node, current)):
+                found.append(target.name)
+                todo.append(target.name)
+    return found
+
+
+def _loop_targets(root: nodes.Template, sources: list[str], key: str | None) -> list[str]:
+    """Names bound by `{% for x in s %}` (or `in s[key]`) for any `s` in `sources`."""
+    out = []
+    for loop in root.find_all(nodes.For):
+        if isinstance(loop.target, nodes.Name) and any(
+                _reads(loop.iter, source, key) for source in sources):
+            out.append(loop.target.name)
+    return out
+
+
+def content_format(template: str) -> ContentFormat:
+    """Detect the content format from the template's syntax tree, as vLLM does.
+
+    OPENAI when some loop walks the content of a message taken from `messages`:
+    `{% for message in loop_messages %}...{% for item in message['content'] %}`
+    (Gemma 3). A text search misses the subscript and filter forms; the tree does not.
+    A template that does not parse counts as STRING, vLLM's fallback.
+    """
+    try:
+        root = _environment().parse(template)
+    except jinja2.exceptions.TemplateSyntaxError:
+        return ContentFormat.STRING
+    messages = _aliases(root, "messages")
+    message_names = _loop_targets(root, messages, None)
+    if _loop_targets(root, message_names, "content"):
+        return ContentFormat.OPENAI
+    return ContentFormat.STRING
 
 
 def special_token_text(value: Any) -> str | None:

@@ -45,6 +45,7 @@ async def running_stack(
     engine: dict[str, Any] | None = None,
     extra_backend_urls: list[str] | None = None,
     server: dict[str, Any] | None = None,
+    backend: dict[str, Any] | None = None,
 ) -> AsyncIterator[Stack]:
     sims: list[web.AppRunner] = []
     proxy: web.AppRunner | None = None
@@ -64,7 +65,8 @@ async def running_stack(
                 "name": MODEL, "path": str(MODELS / MODEL), "max_model_len": 8192,
                 "reservation": "strict",  # the tests of prompt + max_tokens; adaptive has its own
                 "deployment": {"kv_tokens": kv_tokens, "block_size": 16},
-                "backends": [{"name": f"sim-{i}", "url": u} for i, u in enumerate(urls)],
+                "backends": [{"name": f"sim-{i}", "url": u, **(backend or {})}
+                             for i, u in enumerate(urls)],
                 **(model or {}),
             }],
         }

@@ -1,0 +1,81 @@
+"""What each inference engine generates when a request names no `max_tokens`.
+
+The reservation for such a request is the engine's own default, so it depends on the
+engine behind the backend. The defaults, as each engine documents its OpenAI-compatible
+routes (None: no bound, generation runs until the context is full):
+
+| engine | /v1/completions | /v1/chat/completions |
+|---|---|---|
+| vLLM | 16 (`CompletionRequest.max_tokens = 16`) | None (max_model_len - prompt) |
+| SGLang | 16 (`CompletionRequest.max_tokens = 16`) | None (capped at context - prompt) |
+| TGI | None (`max_total_tokens` - input length) | None (`max_total_tokens` - input length) |
+| llama.cpp | None (`n_predict = -1`: until the slot's context ends) | None (`n_predict = -1`) |
+
+An unbounded default reserves max_model_len - prompt tokens, the most the engine may
+generate: exact, but a short prompt then holds a whole context's worth of KV cache.
+For TGI and llama.cpp behind completions traffic without `max_tokens`, output policy
+`require` (or `cap`) is the one that admits more than a few requests at a time. For
+llama.cpp, `max_model_len` must be the per-slot context (`--ctx-size` / `--parallel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = ["ENGINE_DEFAULTS", "EngineKind", "OutputDefault", "default_output_tokens",
+           "engine_kind"]
+
+
+class EngineKind(StrEnum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    TGI = "tgi"
+    LLAMA_CPP = "llama.cpp"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputDefault:
+    """Output tokens generated at most without `max_tokens`; None: up to the context end."""
+
+    completions_tokens: int | None
+    chat_tokens: int | None
+
+
+ENGINE_DEFAULTS: dict[EngineKind, OutputDefault] = {
+    EngineKind.VLLM: OutputDefault(completions_tokens=16, chat_tokens=None),
+    EngineKind.SGLANG: OutputDefault(completions_tokens=16, chat_tokens=None),
+    EngineKind.TGI: OutputDefault(completions_tokens=None, chat_tokens=None),
+    EngineKind.LLAMA_CPP: OutputDefault(completions_tokens=None, chat_tokens=None),
+}
+
+
+def engine_kind(name: str) -> EngineKind:
+    try:
+        return EngineKind(name)
+    except ValueError:
+        raise ValueError(
+            f"unknown engine kind {name!r}; expected one of {sorted(k.value for k in EngineKind)}"
+        ) from None
+
+
+def default_output_tokens(
+    kinds: Iterable[EngineKind], *, chat: bool, prompt_tokens: int, max_model_len: int
+) -> int:
+    """The most any of `kinds` generates for a request without `max_tokens`.
+
+    The backend is picked after the demand is known, so a model served by several
+    engines reserves the largest default among them. Example: max_model_len 4096,
+    prompt 100, completions on vLLM and llama.cpp -> max(16, 4096 - 100) = 3996.
+    A fixed default is not cut to the room left: vLLM and SGLang check prompt + 16
+    against the context and refuse a completion that does not fit, and so does
+    kvgate's context check with the 16 returned here. Never negative.
+    """
+    room = max(0, max_model_len - prompt_tokens)
+    out = 0
+    for kind in set(kinds) or {EngineKind.VLLM}:
+        default = ENGINE_DEFAULTS[kind]
+        tokens = default.chat_tokens if chat else default.completions_tokens
+        out = max(out, room if tokens is None else tokens)
+    return out
