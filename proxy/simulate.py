@@ -36,7 +36,7 @@ import math
 import re
 import selectors
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -652,16 +652,23 @@ def parse_slo(text: str) -> Slo:
     return Slo(tuple(terms), text)
 
 
-_SWEEP_KEYS = ("backends", "kv_tokens", "speed")
+_SWEEP_KEYS = ("backends", "kv_tokens", "speed", "tp", "memory")
 
 
-def parse_sweep(text: str) -> tuple[str, list[float]]:
-    """`backends=1..8`, `backends=1,2,4`, `kv_tokens=32768,65536`, `speed=1,2,4`."""
+def parse_sweep(text: str) -> tuple[str, list[str]]:
+    """`backends=1..8`, `backends=1,2,4`, `kv_tokens=32768,65536`, `speed=1,2,4`,
+    `tp=1,2,4`, `memory=40GiB,80GiB` (the last two recompute capacity with `kvgate
+    plan`'s arithmetic, so they need its flags rather than a config file)."""
     key, sep, values = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or key not in _SWEEP_KEYS:
         raise ValueError(f"--sweep wants KEY=VALUES with KEY one of {', '.join(_SWEEP_KEYS)}. "
                          f"Given: {text!r}")
+    if key == "memory":
+        out_text = [v.strip() for v in values.split(",") if v.strip()]
+        if not out_text:
+            raise ValueError(f"--sweep memory wants sizes with units. Given: {values!r}")
+        return key, out_text
     out: list[float] = []
     for part in values.split(","):
         lo, dots, hi = part.partition("..")
@@ -674,13 +681,4 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
             raise ValueError(f"--sweep value {part!r} is not a number or A..B") from None
     if not out or any(v <= 0 for v in out):
         raise ValueError(f"--sweep values must be > 0. Given: {values!r}")
-    return key, out
-
-
-def sweep_scenarios(base: Scenario, key: str, values: Sequence[float]) -> list[Scenario]:
-    if key == "backends":
-        return [replace(base, backends=int(v), label=f"backends={int(v)}") for v in values]
-    if key == "kv_tokens":
-        return [replace(base, capacity_tokens=int(v), label=f"kv_tokens={int(v)}")
-                for v in values]
-    return [replace(base, label=f"speed={v:g}") for v in values]  # speed: caller re-slices
+    return key, [f"{v:g}" for v in out]

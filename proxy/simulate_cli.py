@@ -24,7 +24,6 @@ from proxy.simulate import (
     parse_slo,
     parse_sweep,
     simulate,
-    sweep_scenarios,
 )
 
 __all__ = ["add_simulate", "build_scenario", "run_simulate"]
@@ -193,10 +192,28 @@ def run_simulate(args: argparse.Namespace) -> int:
                 print(f"SLO {slo.text}: " + ("met" if not fails else "missed: " + "; ".join(fails)))
         return 0
     key, values = parse_sweep(args.sweep)
+    if key in ("tp", "memory") and (args.config or args.kv_tokens):
+        raise ValueError(f"--sweep {key} recomputes capacity from kvgate plan's flags "
+                         "(--model-config, --usable-memory, ...): drop --config/--kv-tokens")
     reports: list[SimReport] = []
     cached = trace(args.speed)
-    for scenario, value in zip(sweep_scenarios(base, key, values), values, strict=True):
-        requests = trace(value * args.speed) if key == "speed" else cached
+    for value in values:
+        requests = cached
+        scenario = replace(base, label=f"{key}={value}")
+        if key == "backends":
+            scenario = replace(scenario, backends=int(float(value)))
+        elif key == "kv_tokens":
+            scenario = replace(scenario, capacity_tokens=int(float(value)))
+        elif key == "speed":
+            requests = trace(float(value) * args.speed)
+        else:  # tp or memory: the capacity of one backend, as kvgate plan computes it
+            changed = argparse.Namespace(**vars(args))
+            if key == "tp":
+                changed.tp = int(float(value))
+            else:
+                changed.usable_memory = value
+            capacity, _ = _capacity_from_flags(changed)
+            scenario = replace(scenario, capacity_tokens=capacity)
         reports.append(simulate(requests, scenario))
     best = next((r for r in reports if slo and not slo.failures(r)), None)
     if args.json:
@@ -269,7 +286,8 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    "cap-N, or none (the engine fills max_model_len - prompt)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: TTFT at most this (s)")
     p.add_argument("--sample-s", type=float, default=1.0, help="timeline resolution (s)")
-    p.add_argument("--sweep", help="backends=1..8, kv_tokens=A,B,..., or speed=1,2,4")
+    p.add_argument("--sweep", help="backends=1..8, kv_tokens=A,B,..., speed=1,2,4, tp=1,2,4 "
+                   "or memory=40GiB,80GiB (the last two with kvgate plan's flags)")
     p.add_argument("--slo", help='e.g. "p99_queue_wait<=2s,rejected<=1%%"')
     p.add_argument("--plot", help="write resident vs capacity and queue depth to FILE.png")
     p.add_argument("--json", action="store_true")

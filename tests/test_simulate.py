@@ -161,7 +161,8 @@ def test_slo_and_sweep_parsing() -> None:
                          ("goodput", ">=", 0.99), ("p50_ttft", "<=", 0.5))
     with pytest.raises(ValueError, match="KEY"):
         parse_slo("latency<3")
-    assert parse_sweep("backends=1..3,6") == ("backends", [1.0, 2.0, 3.0, 6.0])
+    assert parse_sweep("backends=1..3,6") == ("backends", ["1", "2", "3", "6"])
+    assert parse_sweep("memory=40GiB, 80GiB") == ("memory", ["40GiB", "80GiB"])
     with pytest.raises(ValueError):
         parse_sweep("gpus=1..2")
 
@@ -273,3 +274,17 @@ def test_simulate_agrees_with_a_live_replay() -> None:
     live_conc = max(_live_metrics(page, "kvgate_inflight_requests_peak").values())
     sim_conc = max(sim.peak_concurrent.values())
     assert close(sim_conc, live_conc), (sim.peak_concurrent, page)
+
+
+def test_cli_plan_flags_and_tp_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    """The deployment from `kvgate plan`'s flags: a larger TP leaves more KV per engine."""
+    config = Path(__file__).resolve().parent.parent / "deploy/examples/llama-3.1-70b/config.json"
+    code = main(["simulate", "--trace", str(SLICE), "--duration", "30", "--model-config",
+                 str(config), "--params", "70.6e9", "--usable-memory", "80GiB",
+                 "--reserve-bytes", "4GiB", "--backends", "1", "--sweep", "tp=2,4", "--json"])
+    assert code == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["label"] for r in runs] == ["tp=2", "tp=4"]
+    assert 0 < runs[0]["capacity_tokens"] < runs[1]["capacity_tokens"]
+    assert main(["simulate", "--trace", str(SLICE), "--kv-tokens", "4096",
+                 "--sweep", "tp=1,2"]) == 2  # tp needs plan's flags, not a fixed capacity
