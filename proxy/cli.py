@@ -427,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_check_config(sub)
     _add_local_stack(sub)
+    from proxy.simulate_cli import add_simulate
+
+    add_simulate(sub)
     return parser
 
 

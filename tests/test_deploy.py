@@ -224,3 +224,111 @@ def test_local_stack_through_load_balancer_holds_ceiling_across_replicas(tmp_pat
     time.sleep(0.2)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", base)) != 0  # the stack stopped with it
+
+
+# ----------------------------------------------------------------------------- observe profile
+
+_PROMQL_WORDS = {
+    "sum", "min", "max", "avg", "count", "rate", "irate", "increase", "histogram_quantile",
+    "max_over_time", "min_over_time", "avg_over_time", "by", "without", "on", "ignoring",
+    "group_left", "group_right", "and", "or", "unless", "offset", "bool", "topk", "bottomk",
+    "clamp_min", "clamp_max", "abs", "delta", "deriv", "time", "vector", "scalar",
+}
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name kvgate's registry and the simulator's /metrics page can export."""
+    from proxy.metrics import Metrics
+    from proxy.sim.engine import EngineConfig, SimEngine
+    from proxy.sim.server import metrics_text
+
+    metrics = Metrics()
+    metrics.watch_count_cache("m", lambda: None)
+    names: set[str] = set()
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count",
+                                                                  "_created"),
+                "gauge": ("",), "summary": ("_sum", "_count", "_created")}
+    for family in metrics.registry.collect():
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    page = metrics_text(SimEngine(EngineConfig(kv_tokens=1024)), "m")
+    names.update(re.split(r"[{ ]", line, maxsplit=1)[0] for line in page.splitlines()
+                 if line and not line.startswith("#"))
+    return names
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Names in a PromQL expression that are neither functions, keywords nor labels."""
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors
+    expr = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", expr)  # grouping labels
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
+        rest = expr[m.end():].lstrip()
+        if m.group(0) in _PROMQL_WORDS or rest.startswith("("):
+            continue
+        names.add(m.group(0))
+    return names
+
+
+def test_promql_name_extraction() -> None:
+    expr = ('histogram_quantile(0.99, sum by (le) (rate(kvgate_queue_wait_seconds_bucket'
+            '{model="x"}[5m]))) / max by (backend) (vllm:kv_cache_usage_perc)')
+    assert promql_metric_names(expr) == {"kvgate_queue_wait_seconds_bucket",
+                                         "vllm:kv_cache_usage_perc"}
+
+
+def test_dashboard_is_valid_and_every_metric_is_exported() -> None:
+    import json
+
+    dash = json.loads((ROOT / "deploy/grafana/kvgate.json").read_text())
+    assert dash["uid"] and dash["title"] and isinstance(dash["schemaVersion"], int)
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    exported = exported_metric_names()
+    used: set[str] = set()
+    for panel in panels:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24 and pos["h"] > 0, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "prometheus"
+            names = promql_metric_names(target["expr"])
+            assert names, target["expr"]
+            assert names <= exported, (panel["title"], names - exported)
+            used |= names
+    # the panels the ceiling is read from
+    assert {"kvgate_inflight_requests_peak", "kvgate_resident_tokens_observed_bucket",
+            "kvgate_headroom_tokens_min", "kvgate_resident_tokens", "kvgate_capacity_tokens",
+            "kvgate_admission_target_tokens", "kvgate_queue_depth",
+            "kvgate_queue_wait_seconds_bucket", "kvgate_rejections_total",
+            "kvgate_requests_total", "kvgate_ledger_available", "vllm:kv_cache_usage_perc",
+            "kvgate_engine_kv_usage_ratio", "kvgate_engine_estimate_tokens"} <= used
+    assert "nonexistent_metric" not in exported  # the check can fail
+
+
+def test_observe_profile_scrapes_every_replica_and_backend() -> None:
+    services = compose()["services"]
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["observe"], name
+    prom = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}
+    kvgate = {n for n in services if n.startswith("kvgate-")}
+    engines = {n for n, s in services.items() if s.get("profiles") in (["sim"], ["gpu"])}
+    assert kvgate and engines
+    assert {t.split(":")[0] for t in targets} == kvgate | engines
+    sim_config = (ROOT / "deploy/kvgate-sim.toml").read_text()
+    assert 'listen = "0.0.0.0:8080"' in sim_config
+    assert {f"{n}:8080" for n in kvgate} <= targets
+    assert {f"{n}:8000" for n in engines} <= targets
+    # Grafana's provisioning: the datasource uid the dashboard uses, the folder it mounts
+    ds = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert ds["datasources"][0]["uid"] == "prometheus"
+    assert ds["datasources"][0]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/dashboards/kvgate.yml").read_text())
+    mounts = dict(v.split(":")[:2] for v in services["grafana"]["volumes"])
+    assert mounts["./deploy/grafana/kvgate.json"].startswith(
+        provider["providers"][0]["options"]["path"] + "/")
