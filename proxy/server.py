@@ -56,7 +56,6 @@ __all__ = ["ProxyState", "build_app", "start_proxy"]
 
 log = logging.getLogger("kvgate.request")
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # what vLLM and OpenAI generate when it is absent
 
 
 class ModelRuntime:

@@ -171,7 +171,7 @@ def test_kvgate_config_variants_and_toml(tmp_path: Path) -> None:
     strict = kvgate_config(SimParams(), GateSettings(starvation_s=1.0), port=9, sims=sims)
     adaptive = kvgate_config(SimParams(), GateSettings(reservation="adaptive"), port=9,
                              sims=sims)
-    assert "reservation" not in strict["models"][0]
+    assert strict["models"][0]["reservation"] == "strict"  # never left to the default
     assert adaptive["models"][0]["reservation"] == "adaptive"
     for config in (strict, adaptive):
         assert tomllib.loads(to_toml(config)) == config
