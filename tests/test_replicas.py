@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.procs import Proc, start_proxy, start_sim
 from tests.support.redis_server import RedisServer
@@ -54,6 +55,20 @@ async def sim_state(s: aiohttp.ClientSession, sim: Proc) -> dict[str, Any]:
 def body(i: int, max_tokens: int, stream: bool = False) -> dict[str, Any]:
     return {"model": "qwen3-14b", "max_tokens": max_tokens, "stream": stream,
             "messages": [{"role": "user", "content": f"request number {i} " * 8}]}
+
+
+async def gauges_read_zero(s: aiohttp.ClientSession, proxies: list[Proc]) -> None:
+    """Redis holds zero: within one refresh (0.2 s) every replica's shared-state gauges
+    say so at its next scrape, whichever replica served the last request."""
+    await asyncio.sleep(0.2 + 0.1)
+    for p in proxies:
+        async with s.get(f"{p.url}/metrics") as resp:
+            text = await resp.text()
+        values = {(smp.name, smp.labels.get("backend")): smp.value
+                  for fam in text_string_to_metric_families(text) for smp in fam.samples}
+        for backend in BACKENDS:
+            assert values[("kvgate_resident_tokens", backend)] == 0, (p.url, backend)
+            assert values[("kvgate_inflight_requests", backend)] == 0, (p.url, backend)
 
 
 async def wait_ready(s: aiohttp.ClientSession, proxies: list[Proc]) -> None:
@@ -107,6 +122,7 @@ def test_three_replicas_overload_never_exceed_capacity(
                 async with asyncio.timeout(10):
                     while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
                         await asyncio.sleep(0.05)
+                await gauges_read_zero(s, proxies)
 
         asyncio.run(scenario())
 
@@ -250,6 +266,7 @@ def test_three_adaptive_replicas_under_3x_overload_keep_preemptions_rare(
                 async with asyncio.timeout(10):
                     while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
                         await asyncio.sleep(0.05)
+                await gauges_read_zero(s, proxies)
                 for p in proxies:
                     async with s.get(f"{p.url}/admin/state") as resp:
                         state = await resp.json()
