@@ -17,7 +17,7 @@ __all__ = ["CONTENT_TYPE", "Metrics", "Outcome"]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
-_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 3, 5, 10, 30, 60, 120)
 
 
 class Outcome(StrEnum):
