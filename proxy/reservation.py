@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from policies.reservation import OutputHistory
-from proxy.admission import AdmissionController, Lease
+from policies.reservation import AdmissionTarget, OutputHistory
+from proxy.admission import AdmissionController, Demand, Lease
 
-__all__ = ["Progress", "ReservationTracker", "output_tokens_from_tail"]
+__all__ = ["Progress", "ReservationTracker", "follow_adaptively", "output_tokens_from_tail"]
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 4096
@@ -179,3 +179,30 @@ class ReservationTracker:
                 await controller.resize(lease, wanted)
             else:
                 lease.wanted_tokens = wanted
+
+
+def follow_adaptively(
+    controller: AdmissionController,
+    *,
+    quantile: float,
+    min_samples: int,
+    history: int,
+    resize_interval_s: float,
+    ledger_tokens: Callable[[int], int],
+    block_size: int,
+) -> tuple[ReservationTracker, dict[str, AdmissionTarget]]:
+    """The adaptive mode of one model: its tracker, one admission target per backend,
+    and waiters sized anew from the history at each dispatch. The proxy and
+    `kvgate simulate` both build it here, so they follow leases the same way."""
+    tracker = ReservationTracker(
+        history=OutputHistory(size=history, min_samples=min_samples, quantile=quantile),
+        ledger_tokens=ledger_tokens, block_size=block_size,
+        resize_interval_s=resize_interval_s,
+    )
+
+    def size(d: Demand) -> int:
+        return tracker.lease_tokens(prompt_tokens=d.prompt_tokens, max_tokens=d.max_tokens,
+                                    n=d.n, min_tokens=d.min_tokens, strict=False)
+
+    controller.sizer = size
+    return tracker, {b.name: AdmissionTarget() for b in controller.backends}

@@ -27,7 +27,7 @@ from aiohttp import web
 from policies.engines import default_output_tokens
 from policies.ordering import make_ordering
 from policies.output import decide_output
-from policies.reservation import AdmissionTarget, OutputHistory, ReservationMode
+from policies.reservation import AdmissionTarget, ReservationMode
 from proxy.admission import AdmissionController, Backend, Demand, Lease
 from proxy.capacity import cdiv
 from proxy.config import KvgateConfig, ModelConfig
@@ -48,7 +48,7 @@ from proxy.errors import (
 from proxy.forward import ForwardResult, forward, make_session
 from proxy.ledger import Ledger, MemoryLedger
 from proxy.metrics import CONTENT_TYPE, Metrics, Outcome
-from proxy.reservation import Progress, ReservationTracker
+from proxy.reservation import Progress, ReservationTracker, follow_adaptively
 from proxy.tokenize import PromptCounter, TemplateError, load_counter
 from proxy.validation import Endpoint, ValidRequest, validate
 
@@ -73,17 +73,10 @@ class ModelRuntime:
         self.targets: dict[str, AdmissionTarget] = {}
         if config.reservation is ReservationMode.ADAPTIVE:
             a = config.adaptive
-            self.tracker = ReservationTracker(
-                history=OutputHistory(size=a.history, min_samples=a.min_samples,
-                                      quantile=a.quantile),
-                ledger_tokens=self.ledger_tokens, block_size=config.block_size,
-                resize_interval_s=a.resize_interval_s,
-            )
-            self.targets = {b.name: AdmissionTarget() for b in controller.backends}
-            tracker = self.tracker
-            controller.sizer = lambda d: tracker.lease_tokens(
-                prompt_tokens=d.prompt_tokens, max_tokens=d.max_tokens, n=d.n,
-                min_tokens=d.min_tokens, strict=False)
+            self.tracker, self.targets = follow_adaptively(
+                controller, quantile=a.quantile, min_samples=a.min_samples, history=a.history,
+                resize_interval_s=a.resize_interval_s, ledger_tokens=self.ledger_tokens,
+                block_size=config.block_size)
 
     def _ledger_tokens(self, resident_tokens: int) -> int:
         """Block-rounded ledger tokens (token-equivalents for hybrid layouts)."""

@@ -44,13 +44,13 @@ from typing import Any
 from policies.ordering import make_ordering
 from policies.output import OutputPolicy, decide_output
 from policies.placement import PlacementName
-from policies.reservation import AdmissionTarget, OutputHistory, ReservationMode
+from policies.reservation import AdmissionTarget, ReservationMode
 from proxy.admission import AdmissionController, Backend, Demand, Lease, ReleaseRate
 from proxy.capacity import cdiv
 from proxy.config import AdaptiveConfig, QueueConfig
 from proxy.errors import KvgateError
 from proxy.ledger import MemoryLedger
-from proxy.reservation import Progress, ReservationTracker
+from proxy.reservation import Progress, ReservationTracker, follow_adaptively
 from proxy.sim.engine import EngineConfig, OutputLength, SimEngine
 
 __all__ = [
@@ -379,12 +379,10 @@ class _Replay:
         self.targets: dict[str, AdmissionTarget] = {}
         if s.reservation is ReservationMode.ADAPTIVE:
             a = s.adaptive
-            self.tracker = ReservationTracker(
-                history=OutputHistory(size=a.history, min_samples=a.min_samples,
-                                      quantile=a.quantile),
-                ledger_tokens=s.ledger, block_size=s.block_size,
-                resize_interval_s=a.resize_interval_s)
-            self.targets = {b.name: AdmissionTarget() for b in self.backends}
+            self.tracker, self.targets = follow_adaptively(
+                self.controller, quantile=a.quantile, min_samples=a.min_samples,
+                history=a.history, resize_interval_s=a.resize_interval_s,
+                ledger_tokens=s.ledger, block_size=s.block_size)
         self.engines = {
             b.name: SimEngine(EngineConfig(
                 kv_tokens=s.capacity_tokens, block_size=s.block_size,
@@ -454,7 +452,8 @@ class _Replay:
                                                min_tokens=0, strict=False)
         else:
             tokens = s.ledger(prompt + max_tokens)
-        demand = Demand(tokens=tokens, prompt_tokens=prompt, max_tokens=max_tokens)
+        demand = Demand(tokens=tokens, prompt_tokens=prompt, max_tokens=max_tokens,
+                        follow=not strict)
         deadline = arrival + min(s.queue.default_deadline_s, s.queue.max_deadline_s)
         try:
             lease = await self.controller.acquire(demand, deadline)
