@@ -724,13 +724,14 @@ async def _engine_loop(state: ProxyState, model: ModelRuntime) -> None:
             load = engine_load(text)
             target = model.targets[backend.name]
             before = backend.target_factor
-            backend.target_factor = target.observe(
+            assert model.tracker is not None
+            backend.target_factor = model.tracker.admission_factor(target.observe(
                 now=loop.time(), preemptions_total=load.preemptions_total,
                 engine_tokens=(None if load.usage_ratio is None
                                else int(load.usage_ratio * backend.capacity_tokens)),
                 reserved_tokens=state.ledger.resident(backend.name),
                 capacity_tokens=backend.capacity_tokens,
-            )
+            ))
             target.usage_ratio = load.usage_ratio
             state.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,
                                           preemptions=load.preemptions_total)

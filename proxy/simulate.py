@@ -514,10 +514,11 @@ class _Replay:
             engine = self.engines[b.name]
             usage = engine.blocks_used / engine.config.num_blocks
             before = b.target_factor
-            b.target_factor = self.targets[b.name].observe(
+            assert self.tracker is not None
+            b.target_factor = self.tracker.admission_factor(self.targets[b.name].observe(
                 now=now, preemptions_total=engine.preemptions,
                 engine_tokens=int(usage * b.capacity_tokens),
-                reserved_tokens=self.ledger.resident(b.name), capacity_tokens=b.capacity_tokens)
+                reserved_tokens=self.ledger.resident(b.name), capacity_tokens=b.capacity_tokens))
             if b.target_factor > before:
                 self.controller.kick()
 

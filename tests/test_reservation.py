@@ -18,7 +18,7 @@ from proxy.engine_metrics import engine_load
 from proxy.errors import QueueTimeout
 from proxy.ledger import MemoryLedger
 from proxy.redis_ledger import RedisLedger
-from proxy.reservation import output_tokens_from_tail
+from proxy.reservation import WARMUP_FACTOR, output_tokens_from_tail
 from proxy.sim.engine import OutputLength
 from tests.support.redis_server import RedisServer
 from tests.support.servers import running_sim
@@ -219,13 +219,19 @@ async def _adaptive_stack(**engine: Any) -> AsyncIterator[Stack]:
         yield stack
 
 
-def test_adaptive_reserves_strict_until_history_then_what_answers_use() -> None:
+def test_adaptive_cold_start_then_what_answers_use() -> None:
+    """No history: a lease holds its output so far twice over and new requests may fill
+    only WARMUP_FACTOR of the pool; with history: what answers have used."""
+
     async def scenario() -> None:
         async with _adaptive_stack() as stack, aiohttp.ClientSession() as s:
+            async with s.get(f"{stack.url}/admin/state") as resp:
+                cold = (await resp.json())["models"][MODEL]["backends"]["sim-0"]
+            assert cold["admission_target_tokens"] == int(8192 * WARMUP_FACTOR)
             status, headers = await _chat(s, stack, max_tokens=24)
             prompt = int(headers["x-kvgate-prompt-tokens"])
             assert status == 200
-            assert int(headers["x-kvgate-reserved-tokens"]) == _strict_tokens(prompt, 24)
+            assert int(headers["x-kvgate-reserved-tokens"]) == _strict_tokens(prompt, 1)
             for _ in range(4):  # history: four answers of 24 tokens
                 assert (await _chat(s, stack, max_tokens=24))[0] == 200
             # a client cap of 4,000 now reserves what answers really used, not the cap
