@@ -38,8 +38,8 @@ class ReservationMode(StrEnum):
 class OutputHistory:
     """The last `size` observed output lengths (tokens per choice) of one model.
 
-    Below `min_samples` observations `ready` is False and callers reserve as
-    `strict`: with no history, nothing but max_tokens is known to be safe.
+    Below `min_samples` observations `ready` is False and callers use their
+    cold-start rule instead (see `proxy.reservation.ReservationTracker.output_budget`).
     """
 
     def __init__(self, *, size: int = 2000, min_samples: int = 20, quantile: float = 0.9):
