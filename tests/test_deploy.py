@@ -190,8 +190,9 @@ def test_local_stack_through_load_balancer_holds_ceiling_across_replicas(tmp_pat
             statuses: list[int] = []
 
             async def one(i: int) -> None:
+                # ~200 prompt tokens each: 36 at once need both pools in either mode
                 body = {"model": "qwen3-14b", "max_tokens": 250,
-                        "messages": [{"role": "user", "content": f"through nginx {i}"}]}
+                        "messages": [{"role": "user", "content": f"through nginx {i} " * 50}]}
                 async with s.post(f"{lb}/v1/chat/completions", json=body) as resp:
                     await resp.read()
                     statuses.append(resp.status)
