@@ -490,13 +490,15 @@ async def _serve(
             trace.outcome = Outcome.UPSTREAM_ERROR
         return response
     finally:
-        if progress is not None and model.tracker is not None:
-            model.tracker.finish(
-                progress, loop.time(),
-                completed=(trace.outcome == Outcome.COMPLETED and result.status == 200
-                           and not result.failed_mid_stream),
-            )
-        lease.release()
+        try:
+            if progress is not None and model.tracker is not None:
+                model.tracker.finish(
+                    progress, loop.time(),
+                    completed=(trace.outcome == Outcome.COMPLETED and result.status == 200
+                               and not result.failed_mid_stream),
+                )
+        finally:
+            lease.release()  # learning from the answer never stands between it and release
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
