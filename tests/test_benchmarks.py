@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from benchmarks.run import parse_args, rate_for
+from benchmarks.run import _foreknowledge_bound, parse_args, rate_for
 from benchmarks.suite.cluster import GateSettings, SimParams, kvgate_config, to_toml
 from benchmarks.suite.loadgen import ABANDONED, Result, Run, Sample, run_open_loop
 from benchmarks.suite.report import summarize
@@ -164,6 +164,15 @@ def test_summary_counts_misses_as_infinite_and_defines_saturation() -> None:
     assert s.saturated_share == pytest.approx(2 / 3)
     direct = summarize(run, slo_ttft_s=3.0, window_s=10.0, gated=False)
     assert direct.queue_wait_p99 is None and direct.queue_wait_p99_all is None
+
+
+def test_report_sets_adaptive_against_the_foreknowledge_bound() -> None:
+    goodput = {("recorded", "kvgate strict"): 5.0, ("cap-2048", "kvgate strict"): 2.0,
+               ("cap-2048", "kvgate adaptive"): 4.5, ("none", "kvgate strict"): 1.0}
+    text = _foreknowledge_bound(goodput, ["recorded", "cap-2048", "none"])
+    assert "| cap-2048 | 2.25x | 2.50x | 90% |" in text
+    assert "| none |" not in text  # no adaptive run for it: no row, no made-up figure
+    assert _foreknowledge_bound({("cap-2048", "kvgate strict"): 2.0}, ["cap-2048"]) == ""
 
 
 def test_kvgate_config_variants_and_toml(tmp_path: Path) -> None:
