@@ -26,12 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from policies.reservation import AdmissionTarget, OutputHistory
-from proxy.admission import AdmissionController, Demand, Lease
+from proxy.admission import AdmissionController, Backend, Demand, Lease
 
 __all__ = [
     "WARMUP_FACTOR",
     "Progress",
     "ReservationTracker",
+    "apply_engine_report",
     "follow_adaptively",
     "output_tokens_from_tail",
 ]
@@ -243,3 +244,23 @@ def follow_adaptively(
     tracker.on_ready = ready
     targets = {b.name: AdmissionTarget() for b in controller.backends}
     return tracker, targets
+
+
+def apply_engine_report(
+    tracker: ReservationTracker, backend: Backend, target: AdmissionTarget, *, now: float,
+    preemptions_total: int | None, usage_ratio: float | None, reserved_tokens: int,
+) -> float:
+    """One scrape of a backend's engine moves its admission target; -> the factor before.
+
+    The proxy's engine poll and `kvgate simulate` both call this, so a simulated
+    deployment tightens and loosens exactly as a served one.
+    """
+    before = backend.target_factor
+    backend.target_factor = tracker.admission_factor(target.observe(
+        now=now, preemptions_total=preemptions_total,
+        engine_tokens=(None if usage_ratio is None
+                       else int(usage_ratio * backend.capacity_tokens)),
+        reserved_tokens=reserved_tokens, capacity_tokens=backend.capacity_tokens,
+    ))
+    target.usage_ratio = usage_ratio
+    return before

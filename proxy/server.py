@@ -48,7 +48,12 @@ from proxy.errors import (
 from proxy.forward import ForwardResult, forward, make_session
 from proxy.ledger import Ledger, MemoryLedger
 from proxy.metrics import CONTENT_TYPE, Metrics, Outcome
-from proxy.reservation import Progress, ReservationTracker, follow_adaptively
+from proxy.reservation import (
+    Progress,
+    ReservationTracker,
+    apply_engine_report,
+    follow_adaptively,
+)
 from proxy.tokenize import PromptCounter, TemplateError, load_counter
 from proxy.validation import Endpoint, ValidRequest, validate
 
@@ -724,17 +729,11 @@ async def _engine_loop(state: ProxyState, model: ModelRuntime) -> None:
             except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
                 continue
             load = engine_load(text)
-            target = model.targets[backend.name]
-            before = backend.target_factor
             assert model.tracker is not None
-            backend.target_factor = model.tracker.admission_factor(target.observe(
-                now=loop.time(), preemptions_total=load.preemptions_total,
-                engine_tokens=(None if load.usage_ratio is None
-                               else int(load.usage_ratio * backend.capacity_tokens)),
-                reserved_tokens=state.ledger.resident(backend.name),
-                capacity_tokens=backend.capacity_tokens,
-            ))
-            target.usage_ratio = load.usage_ratio
+            before = apply_engine_report(
+                model.tracker, backend, model.targets[backend.name], now=loop.time(),
+                preemptions_total=load.preemptions_total, usage_ratio=load.usage_ratio,
+                reserved_tokens=state.ledger.resident(backend.name))
             state.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,
                                           preemptions=load.preemptions_total)
             if backend.target_factor < before:

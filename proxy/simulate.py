@@ -50,7 +50,12 @@ from proxy.capacity import cdiv
 from proxy.config import AdaptiveConfig, QueueConfig
 from proxy.errors import KvgateError
 from proxy.ledger import MemoryLedger
-from proxy.reservation import Progress, ReservationTracker, follow_adaptively
+from proxy.reservation import (
+    Progress,
+    ReservationTracker,
+    apply_engine_report,
+    follow_adaptively,
+)
 from proxy.sim.engine import EngineConfig, OutputLength, SimEngine
 
 __all__ = [
@@ -512,13 +517,12 @@ class _Replay:
         now = self.loop.time()
         for b in self.backends:
             engine = self.engines[b.name]
-            usage = engine.blocks_used / engine.config.num_blocks
-            before = b.target_factor
             assert self.tracker is not None
-            b.target_factor = self.tracker.admission_factor(self.targets[b.name].observe(
-                now=now, preemptions_total=engine.preemptions,
-                engine_tokens=int(usage * b.capacity_tokens),
-                reserved_tokens=self.ledger.resident(b.name), capacity_tokens=b.capacity_tokens))
+            before = apply_engine_report(
+                self.tracker, b, self.targets[b.name], now=now,
+                preemptions_total=engine.preemptions,
+                usage_ratio=engine.blocks_used / engine.config.num_blocks,
+                reserved_tokens=self.ledger.resident(b.name))
             if b.target_factor > before:
                 self.controller.kick()
 
