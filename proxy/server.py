@@ -1,8 +1,8 @@
 """HTTP routes and wiring: parse, call the core, serialize. Nothing is decided here.
 
-Request path: read (size-limited) -> validate -> resolve model -> count (thread pool)
--> output policy and context check -> demand -> acquire (reserve or queue) ->
-forward -> release in `finally`, exactly once, on every path.
+Request path: read (size-limited) -> validate -> resolve model -> count (inline, thread
+pool, or count workers) -> output policy and context check -> demand -> acquire (reserve
+or queue) -> forward -> release in `finally`, exactly once, on every path.
 """
 
 from __future__ import annotations
