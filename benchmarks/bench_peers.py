@@ -424,11 +424,11 @@ def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0) -> Path:
     tmp.mkdir(exist_ok=True)
     config = tmp / "kvgate.toml"
+    workers = f"count_workers = {count_workers}\n" if count_workers else ""  # older: no key
     config.write_text(f"""
 [server]
 listen = "127.0.0.1:{port}"
-count_workers = {count_workers}
-[queue]
+{workers}[queue]
 max_depth = 4096
 [[models]]
 name = "{MODEL}"
