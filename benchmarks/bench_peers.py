@@ -36,6 +36,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -197,6 +198,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine since boot, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # guest time is already inside user
+    return total - idle, total
+
+
+def children_cpu_seconds(pid: int) -> float:
+    """CPU of a process's live children (kvgate's count workers), from /proc."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 # ----------------------------------------------------------------------------- load
 
 
@@ -226,6 +248,9 @@ class Cell:
     latencies_s: list[float] = field(default_factory=list)
     rps: float = 0.0
     cpu_ms_per_request: float | None = None
+    workers_cpu_ms_per_request: float | None = None  # kvgate's count workers, if any
+    loop_busy: float | None = None  # the server process's CPU seconds per second
+    machine_busy: float | None = None  # share of all cores busy (every process) in the cell
     errors: int = 0
 
 
@@ -251,13 +276,20 @@ async def load(session: aiohttp.ClientSession, url: str, payloads: list[bytes],
             cell.latencies_s.append(time.perf_counter() - t0)
 
     cpu0 = cpu_seconds(pid) if pid else 0.0
+    kids0 = children_cpu_seconds(pid) if pid else 0.0
+    busy0, total0 = machine_ticks()
     t0 = time.perf_counter()
     async with asyncio.timeout(CELL_TIMEOUT_S):
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - t0
+    busy1, total1 = machine_ticks()
+    cell.machine_busy = (busy1 - busy0) / max(1, total1 - total0)
     cell.rps = len(cell.latencies_s) / elapsed
     if pid:
         cell.cpu_ms_per_request = (cpu_seconds(pid) - cpu0) * 1000 / len(cell.latencies_s)
+        cell.loop_busy = (cpu_seconds(pid) - cpu0) / elapsed
+        cell.workers_cpu_ms_per_request = (
+            (children_cpu_seconds(pid) - kids0) * 1000 / len(cell.latencies_s))
     return cell
 
 
@@ -297,6 +329,14 @@ async def run_all(urls: dict[str, str], pids: dict[str, int | None],
                             if got.cpu_ms_per_request is not None:
                                 c.cpu_ms_per_request = (c.cpu_ms_per_request or 0.0) + (
                                     got.cpu_ms_per_request / args.rounds)
+                            c.machine_busy = (c.machine_busy or 0.0) + (
+                                (got.machine_busy or 0.0) / args.rounds)
+                            if got.loop_busy is not None:
+                                c.loop_busy = (c.loop_busy or 0.0) + got.loop_busy / args.rounds
+                            if got.workers_cpu_ms_per_request is not None:
+                                c.workers_cpu_ms_per_request = (
+                                    (c.workers_cpu_ms_per_request or 0.0)
+                                    + got.workers_cpu_ms_per_request / args.rounds)
                     row = _row(workload, stream, conc, cells)
                     rows.append(row)
                     _print_row(row)
@@ -316,8 +356,14 @@ def _row(workload: str, stream: bool, conc: int, cells: dict[str, Cell]) -> dict
                                   3),
             "vs_direct": round(c.rps / d.rps, 3),
             "vs_floor": round(c.rps / cells["floor"].rps, 3),
-            "cpu_ms_per_request": (round(c.cpu_ms_per_request, 3)
+            # the whole process tree: the server and, for kvgate, its count workers
+            "cpu_ms_per_request": (round(c.cpu_ms_per_request
+                                         + (c.workers_cpu_ms_per_request or 0.0), 3)
                                    if c.cpu_ms_per_request is not None else None),
+            "loop_busy": round(c.loop_busy, 3) if c.loop_busy is not None else None,
+            "machine_busy": round(c.machine_busy, 3) if c.machine_busy is not None else None,
+            "cpu_ms_workers": (round(c.workers_cpu_ms_per_request, 3)
+                               if c.workers_cpu_ms_per_request is not None else None),
             "errors": c.errors,
         }
     return row
@@ -340,17 +386,49 @@ def _print_row(row: dict[str, Any]) -> None:
           f"{f['vs_direct']:>5.2f} {f['cpu_ms_per_request']:>6.2f} {f['added_p50_ms']:>6.2f} "
           f"{f['added_p99_ms']:>6.2f} | {k['rps']:>7,.0f} {k['vs_direct']:>5.2f} "
           f"{k['vs_floor']:>6.2f} {k['cpu_ms_per_request']:>6.2f} {k['added_p50_ms']:>6.2f} "
-          f"{k['added_p99_ms']:>6.2f}" + base + (f"  ERRORS {errors}" if errors else ""),
-          flush=True)
+          f"{k['added_p99_ms']:>6.2f}" + base + _workers_note(row)
+          + (f"  ERRORS {errors}" if errors else ""), flush=True)
 
 
-def kvgate_config(tmp: Path, port: int, upstream: str) -> Path:
+def _workers_note(row: dict[str, Any]) -> str:
+    """Where a kvgate's CPU went, when it has count workers: its event loop's process
+    and the workers (the `cpu ms` columns are the sum)."""
+    notes = []
+    for t in ("kvgate", BASELINE):
+        c = row.get(t)
+        if c and c.get("cpu_ms_workers"):
+            notes.append(f"{t}: loop {c['cpu_ms_per_request'] - c['cpu_ms_workers']:.2f} "
+                         f"+ workers {c['cpu_ms_workers']:.2f}")
+        if c and c.get("loop_busy") is not None and t == "kvgate":
+            notes.append(f"{t} loop process {c['loop_busy']:.0%} busy, machine "
+                         f"{c['machine_busy']:.0%}")
+    return ("  [" + "; ".join(notes) + "]") if notes else ""
+
+
+def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per cell and target, the median of every figure over the runs."""
+    out = []
+    for cells in zip(*runs, strict=True):
+        row = dict(cells[0])
+        for target in (*TARGETS, BASELINE):
+            if target not in row:
+                continue
+            row[target] = {key: (statistics.median(c[target][key] for c in cells)
+                                 if isinstance(row[target][key], int | float) else
+                                 row[target][key])
+                           for key in row[target]}
+        out.append(row)
+    return out
+
+
+def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0) -> Path:
     tmp.mkdir(exist_ok=True)
     config = tmp / "kvgate.toml"
+    workers = f"count_workers = {count_workers}\n" if count_workers else ""  # older: no key
     config.write_text(f"""
 [server]
 listen = "127.0.0.1:{port}"
-[queue]
+{workers}[queue]
 max_depth = 4096
 [[models]]
 name = "{MODEL}"
@@ -382,6 +460,10 @@ def main() -> None:
                         help="environment for kvgate, e.g. KVGATE_LOOP=asyncio KVGATE_FAST_BPE=0")
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="also run kvgate from this checkout (e.g. `git archive` of main)")
+    parser.add_argument("--count-workers", type=int, default=0, metavar="N",
+                        help="kvgate (not --baseline) counts in N worker processes")
+    parser.add_argument("--repeat", type=int, default=1, metavar="K",
+                        help="run every cell K times; print each run, then the medians")
     parser.add_argument("--profile", type=Path,
                         help="record kvgate with py-spy into this file (svg, or .txt: raw)")
     args = parser.parse_args()
@@ -400,7 +482,8 @@ def main() -> None:
             process([me, "--role", "floor", "--port", str(floor_port), "--upstream",
                      urls["direct"]], floor_port, "floor") as floor, \
             process(["-m", "proxy", "serve", "--config",
-                     str(kvgate_config(Path(tmp), kv_port, urls["direct"]))], kv_port,
+                     str(kvgate_config(Path(tmp), kv_port, urls["direct"],
+                                       args.count_workers))], kv_port,
                     "kvgate", env=dict(item.split("=", 1) for item in args.kvgate_env)) as kv:
         pids: dict[str, int | None] = {"direct": mock.pid, "floor": floor.pid, "kvgate": kv.pid}
         baseline = contextlib.ExitStack()
@@ -423,7 +506,14 @@ def main() -> None:
         print(HEADER + (BASELINE_HEADER if args.baseline else ""))
         try:
             with asyncio.Runner(loop_factory=new_loop) as runner:
-                rows = runner.run(run_all(urls, pids, args))
+                runs = [runner.run(run_all(urls, pids, args)) for _ in range(args.repeat)]
+            rows = runs[0]
+            if args.repeat > 1:
+                rows = median_rows(runs)
+                print(f"median of {args.repeat} runs")
+                print(HEADER + (BASELINE_HEADER if args.baseline else ""))
+                for row in rows:
+                    _print_row(row)
         finally:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)

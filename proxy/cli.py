@@ -276,6 +276,7 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import gc
     import logging
 
     from proxy.config import load_config
@@ -287,6 +288,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         runner = await start_proxy(config)
+        # What start-up loaded (tokenizer tables, compiled templates, config) lives as
+        # long as the process: out of the collector's generations, so the full
+        # collections that request garbage triggers stop walking it again and again.
+        gc.freeze()
         await serve_forever(runner, f"kvgate: listening on http://{config.server.host}:{{port}}")
 
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

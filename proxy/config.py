@@ -50,6 +50,7 @@ class ServerConfig:
     health_interval_s: float = 2.0
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
+    count_workers: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,7 +183,8 @@ def _bytes(data: Mapping[str, Any], key: str, where: str) -> int:
 def _server(data: Mapping[str, Any]) -> ServerConfig:
     w = "server."
     _check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
-                       "upstream_connect_timeout_s", "upstream_read_timeout_s"}, w)
+                       "upstream_connect_timeout_s", "upstream_read_timeout_s",
+                       "count_workers"}, w)
     listen = _str(data, "listen", w, "127.0.0.1:8080")
     host, sep, port_text = listen.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
@@ -202,6 +204,7 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
         health_interval_s=_num(data, "health_interval_s", w, 2.0, minimum=0.05),
         upstream_connect_timeout_s=_num(data, "upstream_connect_timeout_s", w, 5.0, minimum=0.1),
         upstream_read_timeout_s=_num(data, "upstream_read_timeout_s", w, 600.0, minimum=0.1),
+        count_workers=_int(data, "count_workers", w, 0, minimum=0),
     )
 
 

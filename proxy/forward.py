@@ -114,6 +114,12 @@ async def forward(
             if key.lower() not in HOP_BY_HOP:
                 response.headers.add(key, value)
         response.headers.update(extra_headers)
+        length = upstream.content_length
+        if length is not None and upstream.headers.get("Transfer-Encoding") is None:
+            # The body passes byte for byte (no decompression), so the backend's length
+            # holds: relayed as is, a short answer leaves in one write with its headers,
+            # not as chunks plus a terminating chunk, and a cut body stays detectable.
+            response.content_length = length
         is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         await response.prepare(request)
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -85,75 +85,85 @@ class Metrics:
         self._shortfall = Gauge("kvgate_lease_shortfall_tokens",
                                 "Tokens live leases wanted to grow by but found no room for",
                                 ["backend"], registry=r)
+        # A labelled child per label values, looked up once: `labels()` takes a lock and
+        # validates its arguments on every call, and these run several times a request.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._peaks: dict[str, int] = {}
         self._headroom: dict[str, int] = {}
         self._count_cache: _CountCacheCollector | None = None
 
+    def _child(self, metric: _Labelled, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def backend_configured(self, backend: str, capacity_tokens: int) -> None:
-        self._capacity.labels(backend).set(capacity_tokens)
-        self._resident.labels(backend).set(0)
-        self._inflight.labels(backend).set(0)
-        self._inflight_peak.labels(backend).set(0)
+        self._child(self._capacity, backend).set(capacity_tokens)
+        self._child(self._resident, backend).set(0)
+        self._child(self._inflight, backend).set(0)
+        self._child(self._inflight_peak, backend).set(0)
         self._headroom.setdefault(backend, capacity_tokens)
-        self._headroom_min.labels(backend).set(self._headroom[backend])
+        self._child(self._headroom_min, backend).set(self._headroom[backend])
 
     def capacity_changed(self, backend: str, capacity_tokens: int) -> None:
-        self._capacity.labels(backend).set(capacity_tokens)
+        self._child(self._capacity, backend).set(capacity_tokens)
 
     def backend_state(self, backend: str, *, resident: int, capacity: int, inflight: int) -> None:
-        self._resident.labels(backend).set(resident)
-        self._resident_seen.labels(backend).observe(resident)
-        self._inflight.labels(backend).set(inflight)
+        self._child(self._resident, backend).set(resident)
+        self._child(self._resident_seen, backend).observe(resident)
+        self._child(self._inflight, backend).set(inflight)
         if inflight > self._peaks.get(backend, 0):
             self._peaks[backend] = inflight
-            self._inflight_peak.labels(backend).set(inflight)
+            self._child(self._inflight_peak, backend).set(inflight)
         headroom = capacity - resident
         if headroom < self._headroom.get(backend, capacity):
             self._headroom[backend] = headroom
-            self._headroom_min.labels(backend).set(headroom)
+            self._child(self._headroom_min, backend).set(headroom)
 
     def backend_view(
         self, backend: str, *, resident: int, inflight: int, target: int,
         engine_estimate: int, shortfall: int,
     ) -> None:
         """Gauges of shared and live state, set from the current view at scrape time."""
-        self._resident.labels(backend).set(resident)
-        self._inflight.labels(backend).set(inflight)
-        self._target.labels(backend).set(target)
-        self._engine_estimate.labels(backend).set(engine_estimate)
-        self._shortfall.labels(backend).set(shortfall)
+        self._child(self._resident, backend).set(resident)
+        self._child(self._inflight, backend).set(inflight)
+        self._child(self._target, backend).set(target)
+        self._child(self._engine_estimate, backend).set(engine_estimate)
+        self._child(self._shortfall, backend).set(shortfall)
 
     def engine_reported(
         self, backend: str, *, usage_ratio: float | None, preemptions: int | None
     ) -> None:
         if usage_ratio is not None:
-            self._engine_usage.labels(backend).set(usage_ratio)
+            self._child(self._engine_usage, backend).set(usage_ratio)
         if preemptions is not None:
-            self._engine_preemptions.labels(backend).set(preemptions)
+            self._child(self._engine_preemptions, backend).set(preemptions)
 
     def ledger_available(self, available: bool) -> None:
         self._ledger_up.set(1 if available else 0)
 
     def queue_depth(self, model: str, depth: int) -> None:
-        self._queue_depth.labels(model).set(depth)
+        self._child(self._queue_depth, model).set(depth)
 
     def counted(self, model: str, *, prompt_tokens: int, seconds: float) -> None:
-        self._prompt.labels(model).observe(prompt_tokens)
+        self._child(self._prompt, model).observe(prompt_tokens)
         self._tokenize.observe(seconds)
 
     def admitted(self, model: str, *, reserved_tokens: int, waited_s: float) -> None:
-        self._reserved.labels(model).observe(reserved_tokens)
-        self._queue_wait.labels(model).observe(waited_s)
+        self._child(self._reserved, model).observe(reserved_tokens)
+        self._child(self._queue_wait, model).observe(waited_s)
 
     def first_byte(self, backend: str, seconds: float) -> None:
-        self._first_byte.labels(backend).observe(seconds)
+        self._child(self._first_byte, backend).observe(seconds)
 
     def finished(self, model: str, outcome: str) -> None:
-        self._requests.labels(model, outcome).inc()
+        self._child(self._requests, model, outcome).inc()
 
     def rejected(self, model: str, reason: str) -> None:
-        self._rejections.labels(model, reason).inc()
-        self._requests.labels(model, Outcome.REJECTED).inc()
+        self._child(self._rejections, model, reason).inc()
+        self._child(self._requests, model, Outcome.REJECTED).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -165,6 +175,10 @@ class Metrics:
             self._count_cache = _CountCacheCollector()
             self.registry.register(self._count_cache)
         self._count_cache.sources[model] = stats
+
+
+class _Labelled(Protocol):
+    def labels(self, *labelvalues: str) -> Any: ...
 
 
 class _CacheStats(Protocol):

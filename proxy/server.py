@@ -1,8 +1,8 @@
 """HTTP routes and wiring: parse, call the core, serialize. Nothing is decided here.
 
-Request path: read (size-limited) -> validate -> resolve model -> count (thread pool)
--> output policy and context check -> demand -> acquire (reserve or queue) ->
-forward -> release in `finally`, exactly once, on every path.
+Request path: read (size-limited) -> validate -> resolve model -> count (inline, thread
+pool, or count workers) -> output policy and context check -> demand -> acquire (reserve
+or queue) -> forward -> release in `finally`, exactly once, on every path.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from policies.reservation import AdmissionTarget, ReservationMode
 from proxy.admission import AdmissionController, Backend, Demand, Lease
 from proxy.capacity import cdiv
 from proxy.config import KvgateConfig, ModelConfig
+from proxy.count_workers import CountWorkers
 from proxy.engine_metrics import engine_load, kv_capacity_tokens
 from proxy.errors import (
     ContextLengthExceeded,
@@ -55,6 +56,7 @@ from proxy.reservation import (
     follow_adaptively,
 )
 from proxy.tokenize import PromptCounter, TemplateError, load_counter
+from proxy.tokenize.cache import CacheStats
 from proxy.validation import Endpoint, ValidRequest, validate
 
 __all__ = ["ProxyState", "build_app", "start_proxy"]
@@ -97,6 +99,7 @@ class ProxyState:
         self.metrics = metrics
         self.models: dict[str, ModelRuntime] = {}
         self.session: aiohttp.ClientSession | None = None
+        self.count_workers: CountWorkers | None = None
         for mc in config.models:
             backends = [
                 Backend(name=b.name, url=b.url, api_key=b.api_key,
@@ -310,11 +313,20 @@ def _priority(request: web.Request, state: ProxyState) -> str:
     return request.headers.get(q.priority_header, "")[:32]
 
 
-async def _count(model: ModelRuntime, req: ValidRequest) -> list[int]:
+async def _count(
+    state: ProxyState, model: ModelRuntime, req: ValidRequest, raw: bytes
+) -> list[int]:
+    workers = state.count_workers
     try:
-        if req.chat is not None:
-            return [await model.counter.count_chat_async(req.chat)]
-        counts = [await model.counter.count_prompt_async(p) for p in req.prompts]
+        counts: list[int] | None = None
+        if workers is not None and (req.chat is not None
+                                    or any(isinstance(p, str) for p in req.prompts)):
+            counts = await workers.count(req.endpoint, raw)
+        if counts is None:
+            if req.chat is not None:
+                counts = [await model.counter.count_chat_async(req.chat)]
+            else:
+                counts = [await model.counter.count_prompt_async(p) for p in req.prompts]
     except TemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
     for i, tokens in enumerate(counts):
@@ -439,7 +451,7 @@ async def _serve(
         )
     trace.model = model.config.name
     t0 = time.perf_counter()
-    prompts = await _count(model, req)
+    prompts = await _count(state, model, req, raw)
     trace.prompt_tokens = sum(prompts)
     state.metrics.counted(model.config.name, prompt_tokens=trace.prompt_tokens,
                           seconds=time.perf_counter() - t0)
@@ -589,6 +601,8 @@ async def _admin_state(request: web.Request) -> web.Response:
     now = asyncio.get_running_loop().time()
     out: dict[str, Any] = {"ledger": {"kind": state.config.ledger.kind,
                                       "available": state.ledger.available}, "models": {}}
+    if state.count_workers is not None:
+        out["count_workers"] = state.count_workers.describe()
     for name, m in state.models.items():
         c = m.controller
         out["models"][name] = {
@@ -609,6 +623,21 @@ async def _admin_state(request: web.Request) -> web.Response:
 
 
 # ----------------------------------------------------------------------------- lifecycle
+
+
+async def _count_workers_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE_KEY]
+    n = state.config.server.count_workers
+    if n > 0:
+        workers = CountWorkers({m.name: str(m.path) for m in state.config.models}, n)
+        await workers.start()
+        state.count_workers = workers
+    try:
+        yield
+    finally:
+        if state.count_workers is not None:
+            state.count_workers = None
+            await workers.close()
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -765,11 +794,24 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(task, return_exceptions=True)
 
 
+def _cache_stats(state: ProxyState, model: ModelRuntime) -> CacheStats | None:
+    """The model's count cache: this process's, plus the count workers' where they run."""
+    own = model.counter.cache_stats()
+    theirs = (state.count_workers.cache_stats(model.config.name)
+              if state.count_workers is not None else None)
+    if own is None or theirs is None:
+        return own or theirs
+    return CacheStats(hits=own.hits + theirs.hits, misses=own.misses + theirs.misses,
+                      size_bytes=own.size_bytes + theirs.size_bytes,
+                      entries=own.entries + theirs.entries)
+
+
 def build_app(config: KvgateConfig, *, ledger: Ledger | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware])
     app[STATE_KEY] = state = ProxyState(config, ledger or make_ledger(config), Metrics())
     for name, runtime in state.models.items():
-        state.metrics.watch_count_cache(name, runtime.counter.cache_stats)
+        state.metrics.watch_count_cache(name, functools.partial(_cache_stats, state, runtime))
+    app.cleanup_ctx.append(_count_workers_ctx)
     app.cleanup_ctx.append(_ledger_ctx)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_health_ctx)

@@ -1,0 +1,277 @@
+"""Counting in worker processes (`[server] count_workers = N`), off the event loop's core.
+
+A Python process runs its event loop on one core at a time: parsing HTTP, forwarding,
+streaming and counting all take turns on it. With `count_workers = N`, N processes
+started with the proxy each load every model's counter (the same `load_counter`, the
+same chat templates, the same fast encoder and count cache) and do the rendering and
+encoding; the proxy sends each request's body as it arrived and gets the counts back.
+The counts are the same function of the same bytes, so they are exactly the same.
+
+Wire: one Unix socket pair per worker; frames of `!II` (payload length, request id) and
+a payload. Request: one byte for the endpoint (`c` chat, `p` completions) then the body.
+Answer: JSON, `{"ok": [counts...], "cache": [hits, misses, bytes]}`, or
+`{"template": message}` (the chat template refused: the caller's 400), or `{"fail":
+message}` (a defect: the caller's 500). Id 0 is the worker's "loaded and ready".
+
+A worker that dies (killed, out of memory) is dropped: the requests it held, and every
+later one while no worker is left, count in the proxy process as without workers. A
+worker exits when its socket closes, so it never outlives the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from proxy.tokenize import TemplateError
+from proxy.tokenize.cache import CacheStats
+
+__all__ = ["CountWorkers", "WorkerGone"]
+
+_HEADER = struct.Struct("!II")
+_ENDPOINT_BYTE = {"chat": b"c", "completions": b"p"}
+_READY_ID = 0
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+START_TIMEOUT_S = 120.0
+
+log = logging.getLogger("kvgate")
+
+
+class WorkerGone(RuntimeError):
+    """The worker holding a request died before it answered; count it elsewhere."""
+
+
+class _Worker(asyncio.Protocol):
+    """The proxy's side of one worker: frames out, answers matched back to their waiter."""
+
+    def __init__(self, index: int, proc: asyncio.subprocess.Process) -> None:
+        self.index = index
+        self.proc = proc
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.alive = True
+        self.counted = 0
+        self.cache: dict[str, list[int]] = {}
+        self._ids = itertools.count(1)
+        self._buffer = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buffer
+        buf += data
+        offset = 0
+        size = len(buf)
+        while size - offset >= _HEADER.size:
+            length, rid = _HEADER.unpack_from(buf, offset)
+            end = offset + _HEADER.size + length
+            if end > size:
+                break
+            payload = bytes(buf[offset + _HEADER.size:end])
+            offset = end
+            if rid == _READY_ID:
+                if not self.ready.done():
+                    self.ready.set_result(None)
+                continue
+            waiter = self.pending.pop(rid, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(payload)
+        del buf[:offset]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.alive = False
+        gone = WorkerGone(f"count worker {self.index} (pid {self.proc.pid}) exited")
+        if not self.ready.done():
+            self.ready.set_exception(gone)
+        for waiter in self.pending.values():
+            if not waiter.done():
+                waiter.set_exception(gone)
+        self.pending.clear()
+
+    def send(self, endpoint: str, body: bytes) -> asyncio.Future[Any]:
+        assert self.transport is not None
+        rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending[rid] = waiter
+        self.transport.writelines((_HEADER.pack(len(body) + 1, rid),
+                                   _ENDPOINT_BYTE[endpoint], body))
+        return waiter
+
+
+class CountWorkers:
+    """N worker processes that count for every configured model; see the module doc."""
+
+    def __init__(self, models: Mapping[str, str], workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"count workers must be >= 1. Given: {workers}")
+        self._models = dict(models)
+        self._size = workers
+        self._workers: list[_Worker] = []
+        self._turn = itertools.count()
+
+    @property
+    def alive(self) -> list[_Worker]:
+        return [w for w in self._workers if w.alive]
+
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start every worker and wait until each has loaded its counters."""
+        loop = asyncio.get_running_loop()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_PACKAGE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
+        try:
+            for index in range(self._size):
+                mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "proxy.count_workers", str(theirs.fileno()),
+                        json.dumps(self._models),
+                        pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                    )
+                finally:
+                    theirs.close()
+                worker = _Worker(index, proc)
+                self._workers.append(worker)
+                await loop.create_unix_connection(lambda w=worker: w, sock=mine)  # type: ignore[misc]
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*(w.ready for w in self._workers))
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        for w in self._workers:
+            if w.transport is not None:
+                w.transport.close()
+        for w in self._workers:
+            await _reap(w.proc)
+
+    def _pick(self) -> _Worker | None:
+        """The worker with the fewest requests in hand; ties go round in turn."""
+        alive = [w for w in self._workers if w.alive]
+        if not alive:
+            return None
+        turn = next(self._turn)
+        return min(alive, key=lambda w: (len(w.pending), (w.index - turn) % len(alive)))
+
+    async def count(self, endpoint: str, body: bytes) -> list[int] | None:
+        """The prompt counts of a validated request body; None when no worker is left
+        (the caller counts in its own process). Raises `TemplateError` as the counter
+        would, and `RuntimeError` for a worker's unexpected failure."""
+        while True:
+            worker = self._pick()
+            if worker is None:
+                return None
+            try:
+                payload = await worker.send(endpoint, body)
+            except WorkerGone as exc:
+                log.error("%s; counting moves to the remaining workers", exc)
+                continue
+            answer = json.loads(payload)
+            if "ok" in answer:
+                worker.counted += 1
+                worker.cache[answer["model"]] = answer["cache"]
+                counts: list[int] = answer["ok"]
+                return counts
+            if "template" in answer:
+                raise TemplateError(answer["template"])
+            raise RuntimeError(f"count worker {worker.index} failed: {answer['fail']}")
+
+    def cache_stats(self, model: str) -> CacheStats | None:
+        """The workers' count caches for `model`, summed (as each last reported)."""
+        seen = [w.cache[model] for w in self._workers if model in w.cache]
+        if not seen:
+            return None
+        return CacheStats(hits=sum(s[0] for s in seen), misses=sum(s[1] for s in seen),
+                          size_bytes=sum(s[2] for s in seen), entries=sum(s[3] for s in seen))
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"pid": w.proc.pid, "alive": w.alive, "counted": w.counted}
+                for w in self._workers]
+
+
+async def _reap(proc: asyncio.subprocess.Process, timeout_s: float = 5.0) -> None:
+    """A worker exits on its socket's end; wait a little, then make sure."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await proc.wait()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    chunks = bytearray()
+    while len(chunks) < n:
+        got = sock.recv(n - len(chunks))
+        if not got:
+            return None
+        chunks += got
+    return bytes(chunks)
+
+
+def _answer(counters: Mapping[str, Any], payload: bytes) -> dict[str, Any]:
+    from proxy.validation import Endpoint, validate
+
+    endpoint = Endpoint.CHAT if payload[:1] == b"c" else Endpoint.COMPLETIONS
+    try:
+        req = validate(payload[1:], endpoint)
+        counter = counters[req.model]
+        counts: Sequence[int]
+        if req.chat is not None:
+            counts = [counter.count_chat(req.chat)]
+        else:
+            counts = [counter.count_prompt(p) for p in req.prompts]
+    except TemplateError as exc:
+        return {"template": str(exc)}
+    except Exception as exc:  # reported to the proxy, which answers 500 and logs it
+        return {"fail": f"{type(exc).__name__}: {exc}"}
+    stats = counter.cache_stats()
+    cache = ([stats.hits, stats.misses, stats.size_bytes, stats.entries]
+             if stats is not None else [0, 0, 0, 0])
+    return {"ok": list(counts), "model": req.model, "cache": cache}
+
+
+def serve(fd: int, models: Mapping[str, str]) -> None:
+    """A worker's life: load, say ready, then count until the proxy closes the socket."""
+    from proxy.tokenize import load_counter
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the proxy; it closes us
+    sock = socket.socket(fileno=fd)
+    counters = {name: load_counter(path, name=name) for name, path in models.items()}
+    gc.freeze()
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the proxy is gone
+        sock.sendall(_HEADER.pack(0, _READY_ID))
+        while True:
+            header = _recv_exact(sock, _HEADER.size)
+            if header is None:
+                return
+            length, rid = _HEADER.unpack(header)
+            payload = _recv_exact(sock, length)
+            if payload is None:
+                return
+            answer = json.dumps(_answer(counters, payload)).encode()
+            sock.sendall(_HEADER.pack(len(answer), rid) + answer)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), json.loads(sys.argv[2]))
