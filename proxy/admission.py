@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +31,12 @@ from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, 
 from proxy.ledger import Ledger
 
 __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate"]
+
+# Lease ids: 64 random bits per process and a counter. Unique across the replicas that
+# share a Redis ledger (which relies on it to recognise a retried reserve) without a
+# random-number system call per lease, as uuid4() makes.
+_LEASE_PREFIX = secrets.token_hex(8)
+_lease_seq = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -312,7 +318,7 @@ class AdmissionController:
     async def _try_place(self, demand: Demand) -> Lease | None:
         for name in rank_backends(self.rooms(), demand.tokens, self._placement):
             backend = self._by_name[name]
-            lease_id = uuid.uuid4().hex
+            lease_id = f"{_LEASE_PREFIX}{next(_lease_seq):x}"
             if await self._ledger.reserve(name, lease_id, demand.tokens,
                                           self._admission_room(backend)):
                 lease = Lease(

@@ -280,8 +280,9 @@ class RedisLedger:
         status, resident = int(result[0]), int(result[1])
         self._resident[backend] = resident
         if status == -1:
-            # Lease ids are fresh uuids, so the same id with the same tokens is this
-            # very reservation, retried after its first reply was lost.
+            # Lease ids are never reused (a random per-process prefix and a counter),
+            # so the same id with the same tokens is this very reservation, retried
+            # after its first reply was lost.
             recorded = int(result[2])
             if recorded != tokens:
                 raise ValueError(

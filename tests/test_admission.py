@@ -444,3 +444,25 @@ def test_engine_metrics_give_measured_capacity() -> None:
            " 1.0\n")
     assert kv_capacity_tokens(odd) == 1600
     assert kv_capacity_tokens("not prometheus {{{\n") is None
+
+
+def test_lease_ids_differ_within_and_across_processes() -> None:
+    """Replicas share one Redis ledger keyed by lease id: no two leases may share one."""
+
+    async def two_ids() -> list[str]:
+        ctl, _ = controller(100)
+        leases = [await ctl.acquire(demand(10), soon()) for _ in range(2)]
+        ids = [lease.lease_id for lease in leases]
+        for lease in leases:
+            lease.release()
+        return ids
+
+    ours = asyncio.run(two_ids())
+    code = ("import asyncio; from tests.test_admission import controller, demand, soon\n"
+            "async def one():\n    ctl, _ = controller(100)\n"
+            "    lease = await ctl.acquire(demand(10), soon())\n    print(lease.lease_id)\n"
+            "asyncio.run(one())")
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=60).stdout.strip()
+    assert ours[0] != ours[1]
+    assert theirs and theirs not in ours
