@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import tomli_w
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -424,22 +425,16 @@ def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0) -> Path:
     tmp.mkdir(exist_ok=True)
     config = tmp / "kvgate.toml"
-    workers = f"count_workers = {count_workers}\n" if count_workers else ""  # older: no key
-    config.write_text(f"""
-[server]
-listen = "127.0.0.1:{port}"
-{workers}[queue]
-max_depth = 4096
-[[models]]
-name = "{MODEL}"
-path = "{MODEL_DIR}"
-max_model_len = 40960
-[models.deployment]
-kv_tokens = 100000000
-[[models.backends]]
-name = "mock"
-url = "{upstream}"
-""")
+    server: dict[str, object] = {"listen": f"127.0.0.1:{port}"}
+    if count_workers:  # written only when set: an older --baseline checkout lacks the key
+        server["count_workers"] = count_workers
+    config.write_text(tomli_w.dumps({
+        "server": server,
+        "queue": {"max_depth": 4096},
+        "models": [{"name": MODEL, "path": str(MODEL_DIR), "max_model_len": 40960,
+                    "deployment": {"kv_tokens": 100_000_000},
+                    "backends": [{"name": "mock", "url": upstream}]}],
+    }))
     return config
 
 

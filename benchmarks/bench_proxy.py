@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import tomli_w
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "qwen3-14b"
@@ -133,21 +134,13 @@ def main() -> None:
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "kvgate.toml"
-        config.write_text(f"""
-[server]
-listen = "127.0.0.1:{proxy_port}"
-[queue]
-max_depth = 1024
-[[models]]
-name = "qwen3-14b"
-path = "{MODEL_DIR}"
-max_model_len = 8192
-[models.deployment]
-kv_tokens = 1000000
-[[models.backends]]
-name = "sim"
-url = "{sim_url}"
-""")
+        config.write_text(tomli_w.dumps({
+            "server": {"listen": f"127.0.0.1:{proxy_port}"},
+            "queue": {"max_depth": 1024},
+            "models": [{"name": "qwen3-14b", "path": str(MODEL_DIR), "max_model_len": 8192,
+                        "deployment": {"kv_tokens": 1_000_000},
+                        "backends": [{"name": "sim", "url": sim_url}]}],
+        }))
         with process(["sim", "--port", str(sim_port), "--kv-tokens", "1000000",
                       "--model", "qwen3-14b", "--model-dir", str(MODEL_DIR),
                       "--output-len", "max", "--decode-step-ms", str(args.decode_step_ms),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomli_w
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -106,26 +107,12 @@ def test_check_config_names_each_models_counting_path(
     (tmp_path / "nfkc").mkdir()
     model = nfkc_model(tmp_path / "nfkc", qwen_json)
     config = tmp_path / "kvgate.toml"
-    config.write_text(f"""
-[[models]]
-name = "qwen"
-path = "{MODELS / 'qwen3-14b'}"
-max_model_len = 8192
-[models.deployment]
-kv_tokens = 100000
-[[models.backends]]
-name = "a"
-url = "http://127.0.0.1:9"
-[[models]]
-name = "nfkc"
-path = "{model}"
-max_model_len = 8192
-[models.deployment]
-kv_tokens = 100000
-[[models.backends]]
-name = "b"
-url = "http://127.0.0.1:9"
-""")
+    config.write_text(tomli_w.dumps({"models": [
+        {"name": name, "path": str(path), "max_model_len": 8192,
+         "deployment": {"kv_tokens": 100_000},
+         "backends": [{"name": backend, "url": "http://127.0.0.1:9"}]}
+        for name, path, backend in (("qwen", MODELS / "qwen3-14b", "a"), ("nfkc", model, "b"))
+    ]}))
     assert main(["check-config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "counting: fast byte-level BPE (tiktoken core)" in out
