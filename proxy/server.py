@@ -263,13 +263,19 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_chunked(1 << 16):
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(
-                f"request body exceeds the limit of {limit} bytes", param="body"
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(
+                    f"request body exceeds the limit of {limit} bytes", param="body"
+                )
+            chunks.append(chunk)
+    except web.RequestPayloadError as exc:  # e.g. `Content-Encoding: gzip` on a plain body
+        # The rest of the body cannot be parsed either: end it here, answer, and close
+        # the connection (`_infer`), rather than let aiohttp drain a failed payload.
+        request.content.feed_eof()
+        raise InvalidRequest(f"the request body could not be read: {exc}", param="body") from exc
     return b"".join(chunks)
 
 
@@ -420,7 +426,10 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     try:
         return await _serve(request, endpoint, state, trace)
     except KvgateError as exc:
-        return _error_response(state, exc, trace)
+        response = _error_response(state, exc, trace)
+        if request.content.exception() is not None:  # a body the parser failed on
+            response.force_close()
+        return response
     except ConnectionResetError:
         raise  # the client left; `_serve` set the outcome
     except Exception:

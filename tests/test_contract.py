@@ -156,6 +156,23 @@ def test_non_json_numbers_and_encodings_are_400(raw: bytes, needle: str) -> None
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_body_that_is_not_what_its_content_encoding_says_is_400(encoding: str) -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1) as stack, aiohttp.ClientSession() as s:
+            raw = json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 5}).encode()
+            for path in PATHS:
+                status, headers, data = await post(s, stack.url + path, raw,
+                                                   **{"Content-Encoding": encoding})
+                assert status == 400, data
+                error = assert_shaped(data, 400, "invalid_request")
+                assert error["param"] == "body"
+                assert headers["x-should-retry"] == "false"
+            assert stack.resident() == {name: 0 for name in stack.resident()}
+
+    asyncio.run(scenario())
+
+
 def test_unknown_route_is_404_not_found_and_wrong_method_405_with_allow() -> None:
     async def scenario() -> None:
         async with running_stack(backends=1) as stack, aiohttp.ClientSession() as s:
