@@ -344,15 +344,6 @@ async def _count(
     return counts
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _OutputPlan:
-    """What the lease follows: the output ceiling, a floor, and whether EOS can end it."""
-
-    max_tokens: int
-    min_tokens: int
-    strict: bool
-
-
 def _eos_fields(req: ValidRequest) -> tuple[int, bool]:
     """vLLM's `min_tokens` and `ignore_eos`: both bound how early EOS can end a request."""
     min_tokens = req.body.get("min_tokens", 0)
@@ -373,17 +364,20 @@ def _eos_fields(req: ValidRequest) -> tuple[int, bool]:
 
 
 def _demand(
-    model: ModelRuntime, req: ValidRequest, prompts: list[int], trace: _Trace,
-    request: web.Request, state: ProxyState,
-) -> tuple[Demand, int | None, _OutputPlan]:
-    """Output reservation and context check per prompt; -> (demand, max_tokens to set, plan)."""
+    model: ModelRuntime, req: ValidRequest, prompts: list[int], request: web.Request,
+    state: ProxyState,
+) -> tuple[Demand, int | None]:
+    """Output reservation and context check per prompt; -> (demand, max_tokens to set).
+
+    The body carries one max_tokens for all its prompts: when the output policy caps
+    any of them, every prompt is forwarded with that cap, so every prompt reserves it
+    and must fit the context with it.
+    """
     cfg = model.config
     min_tokens, ignore_eos = _eos_fields(req)
     # Several prompts in one call: one lease, several sequences; follow none of them.
     strict = ignore_eos or len(prompts) > 1 or model.tracker is None
-    total = 0
-    reserve_out = 0
-    set_to: int | None = None
+    decisions = []
     for prompt_tokens in prompts:
         engine_default = default_output_tokens(
             (b.kind for b in cfg.backends), chat=req.endpoint is Endpoint.CHAT,
@@ -396,27 +390,28 @@ def _demand(
                 "kvgate reserves KV cache for every output token a request may generate",
                 param="max_tokens",
             )
-        if prompt_tokens + decision.max_tokens > cfg.max_model_len or decision.max_tokens < 1:
+        decisions.append(decision)
+    set_to = next((d.set_max_tokens for d in decisions if d.set_max_tokens is not None), None)
+    total = 0
+    reserve_out = 0
+    for prompt_tokens, decision in zip(prompts, decisions, strict=True):
+        out = decision.max_tokens if set_to is None else set_to
+        if prompt_tokens + out > cfg.max_model_len or out < 1:
             raise ContextLengthExceeded(
-                max_model_len=cfg.max_model_len, prompt_tokens=prompt_tokens,
-                max_tokens=decision.max_tokens,
+                max_model_len=cfg.max_model_len, prompt_tokens=prompt_tokens, max_tokens=out,
             )
-        set_to = decision.set_max_tokens
-        reserve_out = decision.max_tokens
+        reserve_out = max(reserve_out, out)
         if model.tracker is not None:
             total += model.tracker.lease_tokens(
-                prompt_tokens=prompt_tokens, max_tokens=decision.max_tokens, n=req.n,
-                min_tokens=min(min_tokens, decision.max_tokens), strict=strict,
+                prompt_tokens=prompt_tokens, max_tokens=out, n=req.n,
+                min_tokens=min(min_tokens, out), strict=strict,
             )
         else:
-            total += req.n * model.ledger_tokens(prompt_tokens + decision.max_tokens)
-    priority = _priority(request, state)
+            total += req.n * model.ledger_tokens(prompt_tokens + out)
     demand = Demand(tokens=total, prompt_tokens=sum(prompts), max_tokens=reserve_out, n=req.n,
-                    priority=priority, tenant=_tenant(request, state),
+                    priority=_priority(request, state), tenant=_tenant(request, state),
                     min_tokens=min(min_tokens, reserve_out), follow=not strict)
-    plan = _OutputPlan(max_tokens=reserve_out, min_tokens=min(min_tokens, reserve_out),
-                       strict=strict)
-    return demand, set_to, plan
+    return demand, set_to
 
 
 async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -464,7 +459,7 @@ async def _serve(
     trace.prompt_tokens = sum(prompts)
     state.metrics.counted(model.config.name, prompt_tokens=trace.prompt_tokens,
                           seconds=time.perf_counter() - t0)
-    demand, set_to, plan = _demand(model, req, prompts, trace, request, state)
+    demand, set_to = _demand(model, req, prompts, request, state)
     trace.reserved_tokens = demand.tokens
     trace.output_cap = set_to
     deadline = _deadline(request, state)
@@ -484,8 +479,9 @@ async def _serve(
     try:
         if model.tracker is not None:
             progress = Progress(
-                lease=lease, prompt_tokens=demand.prompt_tokens, max_tokens=plan.max_tokens,
-                n=req.n, min_tokens=plan.min_tokens, strict=plan.strict, stream=req.stream,
+                lease=lease, prompt_tokens=demand.prompt_tokens, max_tokens=demand.max_tokens,
+                n=req.n, min_tokens=demand.min_tokens, strict=not demand.follow,
+                stream=req.stream,
                 chat=req.endpoint is Endpoint.CHAT, started_s=loop.time(),
             )
             model.tracker.track(progress)

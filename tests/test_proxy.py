@@ -585,6 +585,42 @@ def test_completions_without_max_tokens_reserve_the_engines_default(
     asyncio.run(scenario())
 
 
+def test_a_cap_forwarded_for_several_prompts_is_reserved_and_checked_for_each() -> None:
+    """One body carries one max_tokens for all its prompts. With `cap` in front of an
+    engine that runs to the context's end, a short prompt is capped and a long one is
+    not: the cap is forwarded for both, so both reserve it, and a prompt that cannot
+    fit it is a 400 whatever its place in the list."""
+    long_prompt = "word " * 7400
+    mid_prompt = "word " * 3000
+
+    async def scenario() -> None:
+        model = {"output_policy": "cap", "output_cap_tokens": 1000}
+        async with running_stack(backends=1, kv_tokens=32768, model=model,
+                                 backend={"kind": "llama.cpp"}) as stack, \
+                aiohttp.ClientSession() as s:
+            url = f"{stack.url}/v1/completions"
+            for prompts in (["Hi", long_prompt], [long_prompt, "Hi"]):
+                async with s.post(url, json={"model": MODEL, "prompt": prompts}) as resp:
+                    data = await resp.json()
+                    assert resp.status == 400, data
+                    assert data["error"]["code"] == "context_length_exceeded"
+            counts = []
+            for prompt in ("Hi", mid_prompt):
+                async with s.post(url, json={"model": MODEL, "prompt": prompt,
+                                             "max_tokens": 1}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    counts.append(int(resp.headers["x-kvgate-prompt-tokens"]))
+            body = {"model": MODEL, "prompt": ["Hi", mid_prompt]}
+            async with s.post(url, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvgate-output-cap"] == "1000"
+                reserved = int(resp.headers["x-kvgate-reserved-tokens"])
+            assert reserved == sum(-(-(c + 1000) // 16) * 16 for c in counts)
+            await settle(stack)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("trust", [False, True])
 def test_tenant_is_the_api_key_unless_the_header_is_trusted(trust: bool) -> None:
     """A client-set tenant header names the tenant only with `queue.trust_tenant_header`;
