@@ -7,6 +7,7 @@ tokens, the figure vLLM logs as "GPU KV cache size" at start.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,7 +21,8 @@ def kv_capacity_tokens(metrics_text: str) -> int | None:
     1600
     """
     try:
-        families = list(text_string_to_metric_families(metrics_text))
+        families = list(text_string_to_metric_families(
+            _lines_of(metrics_text, ("vllm:cache_config_info",))))
     except ValueError:
         return None
     for family in families:
@@ -42,6 +44,12 @@ _USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _PREEMPTION_NAMES = ("vllm:num_preemptions_total", "vllm:num_preemptions")
 
 
+def _lines_of(metrics_text: str, names: tuple[str, ...]) -> str:
+    """Only the sample lines of `names`: an engine's page runs to tens of kilobytes of
+    histograms, and the pure-Python parser would read all of it on the event loop."""
+    return "\n".join(line for line in metrics_text.splitlines() if line.startswith(names))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineLoad:
     """What the engine says about its own KV cache; None where it does not say."""
@@ -59,11 +67,14 @@ def engine_load(metrics_text: str) -> EngineLoad:
     usage: dict[str, float] = {}
     preemptions: float | None = None
     try:
-        families = list(text_string_to_metric_families(metrics_text))
+        families = list(text_string_to_metric_families(
+            _lines_of(metrics_text, _USAGE_NAMES + _PREEMPTION_NAMES)))
     except ValueError:
         return EngineLoad(usage_ratio=None, preemptions_total=None)
     for family in families:
         for sample in family.samples:
+            if not math.isfinite(sample.value):  # NaN or Inf says nothing usable
+                continue
             if sample.name in _USAGE_NAMES:
                 usage[sample.name] = usage.get(sample.name, 0.0) + sample.value
             elif sample.name in _PREEMPTION_NAMES:

@@ -742,6 +742,37 @@ async def _resize_loop(state: ProxyState, model: ModelRuntime) -> None:
         await asyncio.sleep(model.config.adaptive.resize_interval_s)
 
 
+async def _poll_engine(state: ProxyState, model: ModelRuntime, backend: Backend,
+                       now: float) -> None:
+    """One scrape of one backend's engine, applied to its admission target."""
+    assert state.session is not None and model.tracker is not None
+    try:
+        async with state.session.get(f"{backend.url}/metrics", timeout=_ENGINE_POLL_TIMEOUT) \
+                as resp:
+            if resp.status != 200:
+                return
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return
+    load = engine_load(text)
+    before = apply_engine_report(
+        model.tracker, backend, model.targets[backend.name], now=now,
+        preemptions_total=load.preemptions_total, usage_ratio=load.usage_ratio,
+        reserved_tokens=state.ledger.resident(backend.name))
+    state.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,
+                                  preemptions=load.preemptions_total)
+    if backend.target_factor < before:
+        logging.getLogger("kvgate").warning(
+            "backend %s: engine pressure (preemptions %s, KV use %s); admission "
+            "target now %d of %d tokens", backend.name, load.preemptions_total,
+            load.usage_ratio, backend.target_tokens, backend.capacity_tokens)
+    elif backend.target_factor > before:
+        model.controller.kick()
+
+
+_ENGINE_POLL_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+
+
 async def _engine_loop(state: ProxyState, model: ModelRuntime) -> None:
     """Close the loop with the engine's own figures (vLLM's metric names).
 
@@ -749,34 +780,15 @@ async def _engine_loop(state: ProxyState, model: ModelRuntime) -> None:
     backend's admission target at once; quiet polls loosen it slowly.
     """
     loop = asyncio.get_running_loop()
-    timeout = aiohttp.ClientTimeout(total=2.0)
     while True:
-        assert state.session is not None
         for backend in model.controller.backends:
             if not backend.healthy:
                 continue
             try:
-                async with state.session.get(f"{backend.url}/metrics", timeout=timeout) as resp:
-                    if resp.status != 200:
-                        continue
-                    text = await resp.text()
-            except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-                continue
-            load = engine_load(text)
-            assert model.tracker is not None
-            before = apply_engine_report(
-                model.tracker, backend, model.targets[backend.name], now=loop.time(),
-                preemptions_total=load.preemptions_total, usage_ratio=load.usage_ratio,
-                reserved_tokens=state.ledger.resident(backend.name))
-            state.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,
-                                          preemptions=load.preemptions_total)
-            if backend.target_factor < before:
-                logging.getLogger("kvgate").warning(
-                    "backend %s: engine pressure (preemptions %s, KV use %s); admission "
-                    "target now %d of %d tokens", backend.name, load.preemptions_total,
-                    load.usage_ratio, backend.target_tokens, backend.capacity_tokens)
-            elif backend.target_factor > before:
-                model.controller.kick()
+                await _poll_engine(state, model, backend, loop.time())
+            except Exception:  # a dead poll would freeze the admission target: log, go on
+                logging.getLogger("kvgate").exception("reading the engine of %s failed",
+                                                      backend.name)
         await asyncio.sleep(model.config.adaptive.engine_poll_interval_s)
 
 

@@ -105,6 +105,11 @@ def test_engine_load_reads_the_simulators_and_vllms_metric_text() -> None:
     load = engine_load(vllm_v0)
     assert (load.usage_ratio, load.preemptions_total) == (0.25, 3)
     assert engine_load("not prometheus {{{").usage_ratio is None
+    nonsense = vllm_v0.replace("0.25", "NaN").replace("3.0", "+Inf")
+    assert engine_load(nonsense) == engine_load("")  # says nothing, raises nothing
+    histogram = "".join(f'vllm:e2e_request_latency_seconds_bucket{{le="{i}"}} {i}\n'
+                        for i in range(2000))
+    assert engine_load(histogram + vllm_v0) == load  # other families do not get in the way
 
 
 def test_usage_is_read_from_the_end_of_an_answer() -> None:
