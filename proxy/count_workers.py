@@ -143,6 +143,9 @@ class CountWorkers:
                         json.dumps(self._models),
                         pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                     )
+                except BaseException:
+                    mine.close()
+                    raise
                 finally:
                     theirs.close()
                 worker = _Worker(index, proc)
@@ -163,7 +166,7 @@ class CountWorkers:
 
     def _pick(self) -> _Worker | None:
         """The worker with the fewest requests in hand; ties go round in turn."""
-        alive = [w for w in self._workers if w.alive]
+        alive = self.alive
         if not alive:
             return None
         turn = next(self._turn)
@@ -173,24 +176,24 @@ class CountWorkers:
         """The prompt counts of a validated request body; None when no worker is left
         (the caller counts in its own process). Raises `TemplateError` as the counter
         would, and `RuntimeError` for a worker's unexpected failure."""
-        while True:
-            worker = self._pick()
-            if worker is None:
-                return None
-            try:
-                payload = await worker.send(endpoint, body)
-            except WorkerGone as exc:
-                log.error("%s; counting moves to the remaining workers", exc)
-                continue
-            answer = json.loads(payload)
-            if "ok" in answer:
-                worker.counted += 1
-                worker.cache[answer["model"]] = answer["cache"]
-                counts: list[int] = answer["ok"]
-                return counts
-            if "template" in answer:
-                raise TemplateError(answer["template"])
-            raise RuntimeError(f"count worker {worker.index} failed: {answer['fail']}")
+        worker = self._pick()
+        if worker is None:
+            return None
+        try:
+            payload = await worker.send(endpoint, body)
+        except WorkerGone as exc:
+            # Not handed to the next worker: a request that killed one would kill them all.
+            log.error("%s; its requests count in the proxy process", exc)
+            return None
+        answer = json.loads(payload)
+        if "ok" in answer:
+            worker.counted += 1
+            worker.cache[answer["model"]] = answer["cache"]
+            counts: list[int] = answer["ok"]
+            return counts
+        if "template" in answer:
+            raise TemplateError(answer["template"])
+        raise RuntimeError(f"count worker {worker.index} failed: {answer['fail']}")
 
     def cache_stats(self, model: str) -> CacheStats | None:
         """The workers' count caches for `model`, summed (as each last reported)."""
