@@ -408,7 +408,8 @@ class AdmissionController:
                 self._fail_all(exc)
                 return
             if lease is None:
-                if now - waiter.view.arrival >= self._starvation_s:
+                if (now - waiter.view.arrival >= self._starvation_s
+                        and self._could_ever_fit(waiter.demand)):
                     return  # hold the next room for the starving waiter
                 continue
             if waiter.fut.done():  # cancelled while the ledger answered
@@ -418,6 +419,13 @@ class AdmissionController:
             self._ordering.on_admit(waiter.view, now)
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+
+    def _could_ever_fit(self, demand: Demand) -> bool:
+        """Whether releases alone could make room for `demand` under today's admission
+        targets. A demand above every target (a strict lease while the target is
+        tightened) must not hold the queue: nobody behind it would pass until its
+        deadline, while it could not be placed either."""
+        return any(demand.tokens <= self._admission_room(b) for b in self.backends if b.healthy)
 
     def _fail_all(self, exc: LedgerUnavailable) -> None:
         """No ledger, no admission: every waiter gets the explicit 503 now."""

@@ -214,6 +214,26 @@ def test_small_requests_backfill_past_a_big_head_until_it_starves() -> None:
     asyncio.run(scenario())
 
 
+def test_a_starving_head_above_the_admission_target_does_not_hold_the_queue() -> None:
+    """The target (engine feedback, cold start) can sit below a demand that fits the
+    capacity: such a head cannot be placed until the target loosens, so it must not
+    stop smaller requests from passing meanwhile."""
+    async def scenario() -> None:
+        c, ledger = controller(capacity=1000, starvation_s=0.05)
+        c.backends[0].target_factor = 0.75
+        big = asyncio.create_task(c.acquire(demand(800), soon(2)))
+        await asyncio.sleep(0.1)  # starving now
+        small = await asyncio.wait_for(c.acquire(demand(10), soon(2)), 1)
+        assert not big.done()
+        small.release()
+        c.backends[0].target_factor = 1.0
+        c.kick()
+        (await asyncio.wait_for(big, 1)).release()
+        assert ledger.resident("b0") == 0
+
+    asyncio.run(scenario())
+
+
 def test_best_fit_packs_and_spreads_over_backends() -> None:
     async def scenario() -> None:
         c, ledger = controller(capacity=100, backends=2)
