@@ -298,7 +298,12 @@ class RedisLedger:
         entry = self._live.get(lease_id)
         if entry is None:
             return 0
-        backend, _ = entry
+        backend, size = entry
+        if not self._available:
+            # Redis is known to be down: the lease keeps its size at once, rather than
+            # each resize (the tick, dispatch) waiting out a socket timeout in turn.
+            # Reserves and the refresh pass find out when it is back.
+            return size
         try:
             result = await self._resize(
                 keys=self.keys(backend),

@@ -289,6 +289,33 @@ def test_redis_reserve_whose_reply_is_lost_is_undone(redis_server: RedisServer) 
     asyncio.run(scenario())
 
 
+def test_redis_resize_during_a_known_outage_keeps_the_size_without_waiting(
+    redis_server: RedisServer,
+) -> None:
+    """Once Redis is known to be down, a resize keeps the lease's size at once: the
+    resize tick and dispatch must not each wait out a socket timeout per lease."""
+
+    async def scenario() -> None:
+        async with reply_dropping_relay(redis_server.port) as relay:
+            led = RedisLedger(f"redis://127.0.0.1:{relay.port}/0", backends=["gpu-a"],
+                              key_prefix="t", lease_ttl_s=60.0, socket_timeout_s=0.5)
+            await led.start()
+            try:
+                lease = lid()
+                assert await led.reserve("gpu-a", lease, 10, 100)
+                relay.drop_replies = True
+                with pytest.raises(LedgerUnavailable):
+                    await led.reserve("gpu-a", lid(), 40, 100)
+                assert not led.available
+                async with asyncio.timeout(0.25):  # one round trip would take 0.5 s
+                    assert await led.resize(lease, 50, 100) == 10
+            finally:
+                relay.drop_replies = False
+                await led.close()
+
+    asyncio.run(scenario())
+
+
 def test_redis_refresh_pass_reclaims_expired_leases_within_ttl_plus_refresh(
     redis_server: RedisServer,
 ) -> None:
