@@ -328,6 +328,13 @@ class AdmissionController:
                 return lease
         return None
 
+    def note_wanted(self, lease: Lease, tokens: int) -> None:
+        """A lease wants `tokens` but stays at its size (within the caller's slack):
+        record it, and forget a shortfall it no longer has."""
+        lease.wanted_tokens = tokens
+        if lease.shortfall_tokens == 0:
+            self._short.pop(lease.lease_id, None)
+
     async def resize(self, lease: Lease, tokens: int) -> int:
         """Grow or shrink a live lease; growth takes only free room under the capacity.
 
@@ -336,9 +343,7 @@ class AdmissionController:
         new admissions until releases make room.
         """
         if lease.released or tokens == lease.tokens:
-            lease.wanted_tokens = tokens
-            if lease.shortfall_tokens == 0:
-                self._short.pop(lease.lease_id, None)
+            self.note_wanted(lease, tokens)
             return lease.tokens
         lease.wanted_tokens = tokens
         granted = await self._ledger.resize(

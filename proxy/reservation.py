@@ -206,7 +206,7 @@ class ReservationTracker:
             if wanted > lease.tokens or wanted < lease.tokens - 2 * self._block * progress.n:
                 await controller.resize(lease, wanted)
             else:
-                lease.wanted_tokens = wanted
+                controller.note_wanted(lease, wanted)
 
 
 def follow_adaptively(

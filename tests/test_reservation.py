@@ -18,7 +18,12 @@ from proxy.engine_metrics import engine_load
 from proxy.errors import QueueTimeout
 from proxy.ledger import MemoryLedger
 from proxy.redis_ledger import RedisLedger
-from proxy.reservation import WARMUP_FACTOR, output_tokens_from_tail
+from proxy.reservation import (
+    WARMUP_FACTOR,
+    Progress,
+    ReservationTracker,
+    output_tokens_from_tail,
+)
 from proxy.sim.engine import OutputLength
 from tests.support.redis_server import RedisServer
 from tests.support.servers import running_sim
@@ -376,5 +381,40 @@ def test_room_that_opens_goes_to_a_running_request_before_a_waiter() -> None:
         with pytest.raises(QueueTimeout):
             await waiter
         running.release()
+
+    asyncio.run(scenario())
+
+
+def test_a_lease_back_within_its_slack_leaves_the_shortfall_list_unshrunk() -> None:
+    """The tick keeps a lease whose new estimate is within two blocks below its size
+    (no flapping). If it had a shortfall, that is over: dispatch must neither regrow
+    nor shrink it on the tick's behalf."""
+    async def scenario() -> None:
+        backend = Backend(name="gpu", url="http://127.0.0.1:9", capacity_tokens=1000)
+        c = AdmissionController(model="m", backends=[backend], ledger=MemoryLedger(),
+                                ordering=make_ordering("fifo"))
+        history = OutputHistory(size=10, min_samples=1, quantile=0.5)
+        history.observe(30)  # a request at 0 tokens still wants 30: 100 + 30 in all
+        tracker = ReservationTracker(history=history, ledger_tokens=lambda t: t,
+                                     block_size=16)
+        lease = await c.acquire(Demand(tokens=150, prompt_tokens=100, max_tokens=500,
+                                       follow=True), 1e9)
+        other = await c.acquire(Demand(tokens=850, prompt_tokens=100, max_tokens=750), 1e9)
+        assert await c.resize(lease, 200) == 150  # full: 50 short
+        tracker.track(Progress(lease=lease, prompt_tokens=100, max_tokens=500, n=1,
+                               min_tokens=0, strict=False, stream=True, chat=True,
+                               started_s=0.0))
+        await tracker.tick(c, 0.0)  # wants 130: within 32 of 150, kept at 150
+        assert (lease.tokens, lease.wanted_tokens) == (150, 130)
+        loop = asyncio.get_running_loop()
+        waiter = asyncio.ensure_future(
+            c.acquire(Demand(tokens=100, prompt_tokens=50, max_tokens=50), loop.time() + 0.1))
+        await asyncio.sleep(0.01)
+        await c.drain()  # a dispatch ran
+        assert lease.tokens == 150
+        with pytest.raises(QueueTimeout):
+            await waiter
+        lease.release()
+        other.release()
 
     asyncio.run(scenario())
