@@ -25,12 +25,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from policies.ordering import Ordering, WaiterView
+from policies.ordering import Ordering, WaiterView, make_ordering
 from policies.placement import BackendRoom, PlacementName, rank_backends
+from proxy.config import QueueConfig
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.ledger import Ledger
 
-__all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate"]
+__all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "controller_for"]
 
 # Lease ids: 64 random bits per process and a counter. Unique across the replicas that
 # share a Redis ledger (which relies on it to recognise a retried reserve) without a
@@ -445,3 +446,19 @@ class AdmissionController:
         """Wait for scheduled dispatches (used on shutdown and in tests)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def controller_for(
+    *, model: str, backends: Sequence[Backend], ledger: Ledger, queue: QueueConfig,
+    placement: PlacementName, on_event: Callable[[str, Lease | None], None] | None = None,
+) -> AdmissionController:
+    """A model's controller with the `[queue]` settings: the proxy and `kvgate simulate`
+    both build it here, so a simulated deployment queues exactly as a served one."""
+    return AdmissionController(
+        model=model, backends=backends, ledger=ledger,
+        ordering=make_ordering(queue.ordering, weights=queue.tenant_weights,
+                               aging_tokens_per_s=queue.aging_tokens_per_s,
+                               half_life_s=queue.fair_share_half_life_s),
+        placement=placement, max_queue_depth=queue.max_depth,
+        starvation_s=queue.starvation_s, on_event=on_event,
+    )

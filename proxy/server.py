@@ -25,10 +25,9 @@ import aiohttp
 from aiohttp import web
 
 from policies.engines import default_output_tokens
-from policies.ordering import make_ordering
 from policies.output import decide_output
 from policies.reservation import AdmissionTarget, ReservationMode
-from proxy.admission import AdmissionController, Backend, Demand, Lease
+from proxy.admission import AdmissionController, Backend, Demand, Lease, controller_for
 from proxy.capacity import cdiv
 from proxy.config import KvgateConfig, ModelConfig
 from proxy.count_workers import CountWorkers
@@ -106,19 +105,9 @@ class ProxyState:
                         capacity_tokens=mc.capacity_tokens)
                 for b in mc.backends
             ]
-            controller = AdmissionController(
-                model=mc.name,
-                backends=backends,
-                ledger=ledger,
-                ordering=make_ordering(config.queue.ordering,
-                                       weights=config.queue.tenant_weights,
-                                       aging_tokens_per_s=config.queue.aging_tokens_per_s,
-                                       half_life_s=config.queue.fair_share_half_life_s),
-                placement=mc.placement,
-                max_queue_depth=config.queue.max_depth,
-                starvation_s=config.queue.starvation_s,
-                on_event=self._on_lease_event,
-            )
+            controller = controller_for(model=mc.name, backends=backends, ledger=ledger,
+                                        queue=config.queue, placement=mc.placement,
+                                        on_event=self._on_lease_event)
             self.models[mc.name] = ModelRuntime(mc, controller)
             for b in backends:
                 metrics.backend_configured(b.name, b.capacity_tokens)

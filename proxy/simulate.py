@@ -41,11 +41,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from policies.ordering import make_ordering
 from policies.output import OutputPolicy, decide_output
 from policies.placement import PlacementName
 from policies.reservation import AdmissionTarget, ReservationMode
-from proxy.admission import AdmissionController, Backend, Demand, Lease, ReleaseRate
+from proxy.admission import Backend, Demand, Lease, ReleaseRate, controller_for
 from proxy.capacity import cdiv
 from proxy.config import AdaptiveConfig, QueueConfig
 from proxy.errors import KvgateError
@@ -372,13 +371,9 @@ class _Replay:
         self.ledger = MemoryLedger()
         self.backends = [Backend(name=f"backend-{i}", url=f"sim://{i}",
                                  capacity_tokens=s.capacity_tokens) for i in range(s.backends)]
-        self.controller = AdmissionController(
-            model="simulated", backends=self.backends, ledger=self.ledger,
-            ordering=make_ordering(s.queue.ordering, weights=s.queue.tenant_weights,
-                                   aging_tokens_per_s=s.queue.aging_tokens_per_s),
-            placement=s.placement, max_queue_depth=s.queue.max_depth,
-            starvation_s=s.queue.starvation_s, on_event=self._on_event,
-        )
+        self.controller = controller_for(model="simulated", backends=self.backends,
+                                         ledger=self.ledger, queue=s.queue,
+                                         placement=s.placement, on_event=self._on_event)
         self.controller.release_rate = ReleaseRate(clock=loop.time)
         self.tracker: ReservationTracker | None = None
         self.targets: dict[str, AdmissionTarget] = {}

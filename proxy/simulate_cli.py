@@ -57,9 +57,9 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     if args.config:
         config = load_config(args.config)
         models = {m.name: m for m in config.models}
-        model = models[args.model] if args.model else config.models[0]
         if args.model and args.model not in models:
             raise ValueError(f"--model {args.model!r} is not in {args.config}: {sorted(models)}")
+        model = models[args.model] if args.model else config.models[0]
         deployment = model.deployment
         scenario = Scenario(
             capacity_tokens=args.kv_tokens or model.capacity_tokens,

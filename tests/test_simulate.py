@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from policies.reservation import ReservationMode
 from proxy.cli import main
@@ -293,3 +294,36 @@ def test_cli_plan_flags_and_tp_sweep(capsys: pytest.CaptureFixture[str]) -> None
     assert 0 < runs[0]["capacity_tokens"] < runs[1]["capacity_tokens"]
     assert main(["simulate", "--trace", str(SLICE), "--kv-tokens", "4096",
                  "--sweep", "tp=1,2"]) == 2  # tp needs plan's flags, not a fixed capacity
+
+
+def test_the_replay_queues_with_every_queue_setting_the_proxy_uses() -> None:
+    """Both build their controller with `controller_for`; the replay used to drop the
+    fair-share half-life."""
+    from policies.ordering import PriorityFairShare
+    from proxy.simulate import _Replay
+
+    queue = QueueConfig(ordering="priority", fair_share_half_life_s=7.0, max_depth=9,
+                        starvation_s=1.5)
+    loop = VirtualClockLoop()
+    try:
+        replay = _Replay(Scenario(capacity_tokens=1024, queue=queue), loop)
+    finally:
+        loop.close()
+    ordering = replay.controller._ordering
+    assert isinstance(ordering, PriorityFairShare) and ordering.half_life_s == 7.0
+    assert (replay.controller._max_depth, replay.controller._starvation_s) == (9, 1.5)
+
+
+def test_cli_names_a_model_missing_from_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "kvgate.toml"
+    config.write_text(tomli_w.dumps({"models": [{
+        "name": "qwen", "path": str(Path(__file__).resolve().parent.parent / "models"
+                                    / "qwen3-14b"),
+        "max_model_len": 8192, "deployment": {"kv_tokens": 16384},
+        "backends": [{"name": "a", "url": "http://127.0.0.1:9"}]}]}))
+    code = main(["simulate", "--trace", str(SLICE), "--duration", "5", "--config", str(config),
+                 "--model", "nope"])
+    assert code != 0
+    assert "--model 'nope' is not in" in capsys.readouterr().err
