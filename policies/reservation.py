@@ -51,7 +51,6 @@ class OutputHistory:
         self._sorted: list[int] = []
         self.min_samples = min_samples
         self.quantile = quantile
-        self.observed_total = 0
 
     def __len__(self) -> int:
         return len(self._recent)
@@ -68,7 +67,6 @@ class OutputHistory:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._recent.append(output_tokens)
         bisect.insort(self._sorted, output_tokens)
-        self.observed_total += 1
 
     def remaining(self, generated: int) -> int:
         """Tokens still to come for a request that has produced `generated` tokens.
@@ -115,7 +113,6 @@ class AdmissionTarget:
     last_s: float | None = None
     preemptions_seen: int | None = None
     usage_ratio: float | None = None  # the engine's last report, for display
-    tightened_total: int = 0
 
     def observe(
         self, *, now: float, preemptions_total: int | None, engine_tokens: int | None,
@@ -135,10 +132,6 @@ class AdmissionTarget:
             pressure = True
         if pressure:
             self.factor = max(self.floor, self.factor * self.tighten)
-            self.tightened_total += 1
         else:
             self.factor = min(1.0, self.factor + self.loosen_per_s * elapsed)
         return self.factor
-
-    def target_tokens(self, capacity_tokens: int) -> int:
-        return int(capacity_tokens * self.factor)

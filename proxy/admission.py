@@ -191,9 +191,8 @@ class AdmissionController:
         self._tasks: set[asyncio.Task[None]] = set()
         self.release_rate = ReleaseRate()
         self._on_event = on_event or (lambda _kind, _lease: None)
-        # Adaptive reservation: what a followed demand should hold now. A waiter that
-        # arrived while there was no history asked for prompt + max_tokens; once
-        # there is, it waits for what it will really need.
+        # Adaptive reservation: what a followed demand should hold now. A waiter sized
+        # by the cold-start rule is sized anew from the history once there is one.
         self.sizer: Callable[[Demand], int] | None = None
         # Live leases that wanted to grow and found no room. Running requests come
         # first (as in an engine's own scheduler): room that opens goes to them before

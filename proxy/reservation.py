@@ -178,9 +178,6 @@ class ReservationTracker:
             rate = out / (now - started)
             self.decode_tokens_per_s = 0.9 * self.decode_tokens_per_s + 0.1 * rate
 
-    def live(self) -> list[Progress]:
-        return list(self._live.values())
-
     def engine_estimate_tokens(self, backend: str, now: float) -> int:
         """What this replica's requests on `backend` hold in the engine now (estimate)."""
         return sum(
