@@ -327,8 +327,9 @@ async def overhead(requests_scale: float) -> str:
             for ledger in ("memory", "redis"):
                 gate = GateSettings(max_depth=4096, deadline_s=10.0,
                                     ledger_url=redis.url if ledger == "redis" else None)
-                with cluster(params, gate=gate) as c:
-                    assert c.proxy is not None
+                # One backend: direct and kvgate reach the same single engine.
+                with cluster(params, gate=gate, backends=1) as c:
+                    assert c.proxy is not None and len(c.sims) == 1
                     for stream in (False, True):
                         for conc in (1, 32, 128):
                             n = max(40, int(conc * 2 * requests_scale))
@@ -347,7 +348,8 @@ async def overhead(requests_scale: float) -> str:
         finally:
             redis.stop()
     return ("## Proxy overhead\n\nClosed loop, 24-token prompts, 32 output tokens, 1 ms "
-            "decode step, the same backend direct and through kvgate (one run).\n\n"
+            "decode step; one simulated backend, reached by the client directly and through "
+            "kvgate with that backend as its only one (one run).\n\n"
             + "\n".join(lines))
 
 
