@@ -313,8 +313,9 @@ async def overhead(requests_scale: float) -> str:
 
     async def measure(url: str, n: int, conc: int, stream: bool) -> tuple[list[float], float]:
         specs = [RequestSpec(arrival_s=0, prompt_tokens=24, output_tokens=32)] * n
+        # A fixed cap, as a real client sends; the simulated engine still stops at 32.
         run = await run_closed_loop(url, specs, builder, concurrency=conc, hard_stop_s=120,
-                                    stream=stream)
+                                    behaviour=Behaviour.CAP_2048, stream=stream)
         latencies = [r.latency_s for r in run.results if r.ok and r.latency_s is not None]
         if len(latencies) != n:
             raise RuntimeError(f"{n - len(latencies)} of {n} overhead requests failed")
