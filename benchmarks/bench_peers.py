@@ -7,7 +7,9 @@ Three targets in one run, interleaved cell by cell so machine noise hits all of 
 * `floor`: the thinnest useful Python proxy, aiohttp in and out with one shared
   `ClientSession` and nothing else; what any Python proxy pays before doing work;
 * `kvgate`: `kvgate serve` with the memory ledger and the bundled Qwen3 tokenizer,
-  one backend with room for everything, so nothing queues.
+  one backend with room for everything, so nothing queues; `reservation = "adaptive"`
+  is written in its config (and the `--baseline` kvgate's), so a change of the default
+  mode cannot pass for a change of code. `--kvgate-env` applies to both kvgates.
 
 Workloads: (a) `unique`: a different ~1,000-token prompt per request; (b) `shared`:
 one ~1,000-token system prompt plus a new ~50-token user message per request, as
@@ -107,6 +109,10 @@ def mock_app() -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    # No /metrics: adaptive kvgate's engine poll gets a 404 every 0.5 s and skips that
+    # backend's report. An empty 200 would instead count as quiet scrapes that loosen
+    # the admission target, which a mock with no KV cache cannot vouch for; with room
+    # for 100M tokens no target binds either way.
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
@@ -431,8 +437,9 @@ def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0) -
     config.write_text(tomli_w.dumps({
         "server": server,
         "queue": {"max_depth": 4096},
+        # The mode is written, not left to the default: both kvgates run the same mode.
         "models": [{"name": MODEL, "path": str(MODEL_DIR), "max_model_len": 40960,
-                    "deployment": {"kv_tokens": 100_000_000},
+                    "reservation": "adaptive", "deployment": {"kv_tokens": 100_000_000},
                     "backends": [{"name": "mock", "url": upstream}]}],
     }))
     return config
@@ -452,7 +459,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--kvgate-env", nargs="*", default=[], metavar="NAME=VALUE",
-                        help="environment for kvgate, e.g. KVGATE_LOOP=asyncio KVGATE_FAST_BPE=0")
+                        help="environment for kvgate and the --baseline kvgate alike, "
+                             "e.g. KVGATE_LOOP=asyncio KVGATE_FAST_BPE=0")
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="also run kvgate from this checkout (e.g. `git archive` of main)")
     parser.add_argument("--count-workers", type=int, default=0, metavar="N",
@@ -471,6 +479,7 @@ def main() -> None:
     if args.baseline:
         urls[BASELINE] = f"http://127.0.0.1:{base_port}"
     me = str(Path(__file__).resolve())
+    kvgate_env = dict(item.split("=", 1) for item in args.kvgate_env)
     with tempfile.TemporaryDirectory() as tmp, \
             process([me, "--role", "mock", "--port", str(mock_port)], mock_port,
                     "mock") as mock, \
@@ -479,14 +488,14 @@ def main() -> None:
             process(["-m", "proxy", "serve", "--config",
                      str(kvgate_config(Path(tmp), kv_port, urls["direct"],
                                        args.count_workers))], kv_port,
-                    "kvgate", env=dict(item.split("=", 1) for item in args.kvgate_env)) as kv:
+                    "kvgate", env=kvgate_env) as kv:
         pids: dict[str, int | None] = {"direct": mock.pid, "floor": floor.pid, "kvgate": kv.pid}
         baseline = contextlib.ExitStack()
         if args.baseline:
             base = baseline.enter_context(process(
                 ["-m", "proxy", "serve", "--config",
                  str(kvgate_config(Path(tmp) / "base", base_port, urls["direct"]))],
-                base_port, "baseline kvgate", cwd=args.baseline.resolve()))
+                base_port, "baseline kvgate", env=kvgate_env, cwd=args.baseline.resolve()))
             pids[BASELINE] = base.pid
         spy = None
         if args.profile:
