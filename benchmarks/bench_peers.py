@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -51,6 +52,9 @@ from typing import Any
 import aiohttp
 import tomli_w
 from aiohttp import web
+
+from benchmarks.suite.report import pct
+from proxy.stack import stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "qwen3-14b"
@@ -166,19 +170,6 @@ def free_port() -> int:
         return port
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{what} did not start")
-
-
 @contextlib.contextmanager
 def process(args: list[str], port: int, what: str, env: dict[str, str] | None = None,
             cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
@@ -186,16 +177,10 @@ def process(args: list[str], port: int, what: str, env: dict[str, str] | None = 
                             stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, **(env or {})})
     try:
-        _wait_port(port, proc, what)
+        wait_port(port, proc, what, timeout_s=60)
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_process(proc, signal.SIGINT)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -261,9 +246,10 @@ class Cell:
     errors: int = 0
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+def _pct(values: list[float], q: float) -> float:
+    """`pct`, NaN for no values (a cell whose every request failed)."""
+    value = pct(values, q)
+    return math.nan if value is None else value
 
 
 async def load(session: aiohttp.ClientSession, url: str, payloads: list[bytes],
@@ -356,11 +342,12 @@ def _row(workload: str, stream: bool, conc: int, cells: dict[str, Cell]) -> dict
     for t, c in cells.items():
         row[t] = {
             "rps": round(c.rps, 1),
-            "p50_ms": round(pct(c.latencies_s, 0.5) * 1000, 3),
-            "p99_ms": round(pct(c.latencies_s, 0.99) * 1000, 3),
-            "added_p50_ms": round((pct(c.latencies_s, 0.5) - pct(d.latencies_s, 0.5)) * 1000, 3),
-            "added_p99_ms": round((pct(c.latencies_s, 0.99) - pct(d.latencies_s, 0.99)) * 1000,
+            "p50_ms": round(_pct(c.latencies_s, 0.5) * 1000, 3),
+            "p99_ms": round(_pct(c.latencies_s, 0.99) * 1000, 3),
+            "added_p50_ms": round((_pct(c.latencies_s, 0.5) - _pct(d.latencies_s, 0.5)) * 1000,
                                   3),
+            "added_p99_ms": round((_pct(c.latencies_s, 0.99) - _pct(d.latencies_s, 0.99))
+                                  * 1000, 3),
             "vs_direct": round(c.rps / d.rps, 3),
             "vs_floor": round(c.rps / cells["floor"].rps, 3),
             # the whole process tree: the server and, for kvgate, its count workers
@@ -478,12 +465,14 @@ def main() -> None:
             (("direct", mock_port), ("floor", floor_port), ("kvgate", kv_port))}
     if args.baseline:
         urls[BASELINE] = f"http://127.0.0.1:{base_port}"
-    me = str(Path(__file__).resolve())
+    # The mock and the floor run as this module from ROOT (cwd), so they import this
+    # checkout's `benchmarks` and `proxy` like the client does.
+    me = ["-m", "benchmarks.bench_peers"]
     kvgate_env = dict(item.split("=", 1) for item in args.kvgate_env)
     with tempfile.TemporaryDirectory() as tmp, \
-            process([me, "--role", "mock", "--port", str(mock_port)], mock_port,
+            process([*me, "--role", "mock", "--port", str(mock_port)], mock_port,
                     "mock") as mock, \
-            process([me, "--role", "floor", "--port", str(floor_port), "--upstream",
+            process([*me, "--role", "floor", "--port", str(floor_port), "--upstream",
                      urls["direct"]], floor_port, "floor") as floor, \
             process(["-m", "proxy", "serve", "--config",
                      str(kvgate_config(Path(tmp), kv_port, urls["direct"],
