@@ -7,7 +7,9 @@ Three targets in one run, interleaved cell by cell so machine noise hits all of 
 * `floor`: the thinnest useful Python proxy, aiohttp in and out with one shared
   `ClientSession` and nothing else; what any Python proxy pays before doing work;
 * `kvgate`: `kvgate serve` with the memory ledger and the bundled Qwen3 tokenizer,
-  one backend with room for everything, so nothing queues.
+  one backend with room for everything, so nothing queues; `reservation = "adaptive"`
+  is written in its config (and the `--baseline` kvgate's), so a change of the default
+  mode cannot pass for a change of code. `--kvgate-env` applies to both kvgates.
 
 Workloads: (a) `unique`: a different ~1,000-token prompt per request; (b) `shared`:
 one ~1,000-token system prompt plus a new ~50-token user message per request, as
@@ -31,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -49,6 +52,9 @@ from typing import Any
 import aiohttp
 import tomli_w
 from aiohttp import web
+
+from benchmarks.suite.report import pct
+from proxy.stack import stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "qwen3-14b"
@@ -107,6 +113,10 @@ def mock_app() -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    # No /metrics: adaptive kvgate's engine poll gets a 404 every 0.5 s and skips that
+    # backend's report. An empty 200 would instead count as quiet scrapes that loosen
+    # the admission target, which a mock with no KV cache cannot vouch for; with room
+    # for 100M tokens no target binds either way.
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
@@ -160,19 +170,6 @@ def free_port() -> int:
         return port
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{what} did not start")
-
-
 @contextlib.contextmanager
 def process(args: list[str], port: int, what: str, env: dict[str, str] | None = None,
             cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
@@ -180,16 +177,10 @@ def process(args: list[str], port: int, what: str, env: dict[str, str] | None = 
                             stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, **(env or {})})
     try:
-        _wait_port(port, proc, what)
+        wait_port(port, proc, what, timeout_s=60)
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_process(proc, signal.SIGINT)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -255,9 +246,10 @@ class Cell:
     errors: int = 0
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+def _pct(values: list[float], q: float) -> float:
+    """`pct`, NaN for no values (a cell whose every request failed)."""
+    value = pct(values, q)
+    return math.nan if value is None else value
 
 
 async def load(session: aiohttp.ClientSession, url: str, payloads: list[bytes],
@@ -350,11 +342,12 @@ def _row(workload: str, stream: bool, conc: int, cells: dict[str, Cell]) -> dict
     for t, c in cells.items():
         row[t] = {
             "rps": round(c.rps, 1),
-            "p50_ms": round(pct(c.latencies_s, 0.5) * 1000, 3),
-            "p99_ms": round(pct(c.latencies_s, 0.99) * 1000, 3),
-            "added_p50_ms": round((pct(c.latencies_s, 0.5) - pct(d.latencies_s, 0.5)) * 1000, 3),
-            "added_p99_ms": round((pct(c.latencies_s, 0.99) - pct(d.latencies_s, 0.99)) * 1000,
+            "p50_ms": round(_pct(c.latencies_s, 0.5) * 1000, 3),
+            "p99_ms": round(_pct(c.latencies_s, 0.99) * 1000, 3),
+            "added_p50_ms": round((_pct(c.latencies_s, 0.5) - _pct(d.latencies_s, 0.5)) * 1000,
                                   3),
+            "added_p99_ms": round((_pct(c.latencies_s, 0.99) - _pct(d.latencies_s, 0.99))
+                                  * 1000, 3),
             "vs_direct": round(c.rps / d.rps, 3),
             "vs_floor": round(c.rps / cells["floor"].rps, 3),
             # the whole process tree: the server and, for kvgate, its count workers
@@ -431,8 +424,9 @@ def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0) -
     config.write_text(tomli_w.dumps({
         "server": server,
         "queue": {"max_depth": 4096},
+        # The mode is written, not left to the default: both kvgates run the same mode.
         "models": [{"name": MODEL, "path": str(MODEL_DIR), "max_model_len": 40960,
-                    "deployment": {"kv_tokens": 100_000_000},
+                    "reservation": "adaptive", "deployment": {"kv_tokens": 100_000_000},
                     "backends": [{"name": "mock", "url": upstream}]}],
     }))
     return config
@@ -452,7 +446,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--kvgate-env", nargs="*", default=[], metavar="NAME=VALUE",
-                        help="environment for kvgate, e.g. KVGATE_LOOP=asyncio KVGATE_FAST_BPE=0")
+                        help="environment for kvgate and the --baseline kvgate alike, "
+                             "e.g. KVGATE_LOOP=asyncio KVGATE_FAST_BPE=0")
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="also run kvgate from this checkout (e.g. `git archive` of main)")
     parser.add_argument("--count-workers", type=int, default=0, metavar="N",
@@ -470,23 +465,26 @@ def main() -> None:
             (("direct", mock_port), ("floor", floor_port), ("kvgate", kv_port))}
     if args.baseline:
         urls[BASELINE] = f"http://127.0.0.1:{base_port}"
-    me = str(Path(__file__).resolve())
+    # The mock and the floor run as this module from ROOT (cwd), so they import this
+    # checkout's `benchmarks` and `proxy` like the client does.
+    me = ["-m", "benchmarks.bench_peers"]
+    kvgate_env = dict(item.split("=", 1) for item in args.kvgate_env)
     with tempfile.TemporaryDirectory() as tmp, \
-            process([me, "--role", "mock", "--port", str(mock_port)], mock_port,
+            process([*me, "--role", "mock", "--port", str(mock_port)], mock_port,
                     "mock") as mock, \
-            process([me, "--role", "floor", "--port", str(floor_port), "--upstream",
+            process([*me, "--role", "floor", "--port", str(floor_port), "--upstream",
                      urls["direct"]], floor_port, "floor") as floor, \
             process(["-m", "proxy", "serve", "--config",
                      str(kvgate_config(Path(tmp), kv_port, urls["direct"],
                                        args.count_workers))], kv_port,
-                    "kvgate", env=dict(item.split("=", 1) for item in args.kvgate_env)) as kv:
+                    "kvgate", env=kvgate_env) as kv:
         pids: dict[str, int | None] = {"direct": mock.pid, "floor": floor.pid, "kvgate": kv.pid}
         baseline = contextlib.ExitStack()
         if args.baseline:
             base = baseline.enter_context(process(
                 ["-m", "proxy", "serve", "--config",
                  str(kvgate_config(Path(tmp) / "base", base_port, urls["direct"]))],
-                base_port, "baseline kvgate", cwd=args.baseline.resolve()))
+                base_port, "baseline kvgate", env=kvgate_env, cwd=args.baseline.resolve()))
             pids[BASELINE] = base.pid
         spy = None
         if args.profile:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import signal
+import math
 import socket
 import statistics
 import subprocess
@@ -27,6 +26,9 @@ from pathlib import Path
 
 import aiohttp
 import tomli_w
+
+from benchmarks.suite.report import pct
+from proxy.stack import spawn_logged, stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "qwen3-14b"
@@ -40,30 +42,20 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process(args: list[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, "-m", "proxy", *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+def process(args: list[str], port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m proxy ARGS` until the block ends; its output goes to `log`."""
+    proc = spawn_logged([sys.executable, "-m", "proxy", *args], log)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", int(ready_url.rsplit(":", 1)[1])),
-                                              timeout=0.2):
-                    break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError(f"{args[0]} did not start")
+        wait_port(port, proc, args[0])
         yield proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+        stop_process(proc)
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def ms(values: list[float], q: float) -> float:
+    """The q-quantile in ms (NaN for no values)."""
+    value = pct(values, q)
+    return math.nan if value is None else value * 1000
 
 
 async def load(url: str, *, requests: int, concurrency: int, stream: bool,
@@ -114,8 +106,8 @@ async def compare(direct: str, proxied: str, args: argparse.Namespace) -> None:
                 lat, tp = await load(proxied, **kw)
                 p_lat += lat
                 p_tp.append(tp)
-            d50, d99 = pct(d_lat, 0.5) * 1000, pct(d_lat, 0.99) * 1000
-            p50, p99 = pct(p_lat, 0.5) * 1000, pct(p_lat, 0.99) * 1000
+            d50, d99 = ms(d_lat, 0.5), ms(d_lat, 0.99)
+            p50, p99 = ms(p_lat, 0.5), ms(p_lat, 0.99)
             ratio = statistics.mean(p_tp) / statistics.mean(d_tp)
             print(f"{'stream' if stream else 'json':<10}{conc:>5} {d50:>11.2f} {d99:>8.2f} "
                   f"{p50:>11.2f} {p99:>8.2f} {p50 - d50:>10.2f} {p99 - d99:>10.2f} "
@@ -144,8 +136,9 @@ def main() -> None:
         with process(["sim", "--port", str(sim_port), "--kv-tokens", "1000000",
                       "--model", "qwen3-14b", "--model-dir", str(MODEL_DIR),
                       "--output-len", "max", "--decode-step-ms", str(args.decode_step_ms),
-                      "--max-model-len", "8192"], sim_url), \
-                process(["serve", "--config", str(config)], proxy_url):
+                      "--max-model-len", "8192"], sim_port, Path(tmp) / "sim.log"), \
+                process(["serve", "--config", str(config)], proxy_port,
+                        Path(tmp) / "kvgate.log"):
             asyncio.run(compare(sim_url, proxy_url, args))
 
 

@@ -9,7 +9,9 @@ ratio to raw `tokenizers` is what matters on a shared, noisy machine.
   tokens, encode) on the fast path, count cache off;
 * `count, tokenizers`: the same with `KVGATE_FAST_BPE=0`, count cache off;
 * `count, shared sys`: the fast path with the count cache on, every chat a shared
-  system prompt of the given size plus a new 40-word user message.
+  system prompt of the given size plus a new 40-word user message. Only the system
+  prompt is warm (as it is in real traffic): every round counts 20 user messages that
+  no earlier round has seen, and the cache's hit/miss counts are checked to say so.
 
     .venv/bin/python -m benchmarks.bench_tokenize [--rounds 5]
 """
@@ -47,24 +49,31 @@ def prompts(n: int, words: int, seed: int = 7) -> list[ChatRequest]:
     ]
 
 
-def shared_system(n: int, words: int, seed: int = 11) -> list[ChatRequest]:
-    rng = random.Random(seed)
-    system = " ".join(rng.choice(VOCAB) for _ in range(words))
+def shared_system(n: int, words: int, *, round_: int, seed: int = 11) -> list[ChatRequest]:
+    """`n` chats: one system prompt of about `words` words (the same for every round)
+    and a user message of 40 words that is new in each round (`round_` seeds it)."""
+    system = " ".join(random.Random(seed).choice(VOCAB) for _ in range(words))
+    rng = random.Random(f"{seed}/{round_}")
     return [
         ChatRequest(messages=[
             {"role": "system", "content": system},
-            {"role": "user", "content": f"{i}: " + " ".join(rng.choice(VOCAB) for _ in range(40))},
+            {"role": "user", "content": f"{round_}.{i}: "
+                                        + " ".join(rng.choice(VOCAB) for _ in range(40))},
         ])
         for i in range(n)
     ]
 
 
 def load(model: str, *, fast: bool, cache_bytes: int) -> TokenCounter:
+    before = os.environ.get(ENV_SWITCH)
     os.environ[ENV_SWITCH] = "1" if fast else "0"
     try:
         counter = load_counter(MODELS / model, cache_bytes=cache_bytes)
     finally:
-        os.environ.pop(ENV_SWITCH, None)
+        if before is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = before
     assert isinstance(counter, TokenCounter)
     return counter
 
@@ -76,24 +85,35 @@ def row(args: argparse.Namespace, words: int, fast: TokenCounter, slow: TokenCou
     rendered = [fast.render_chat(c) for c in batch]
     tokens = sum(fast.count_chat(c) for c in batch)
     assert tokens == sum(slow.count_chat(c) for c in batch)
-    shared = shared_system(20, words)
-    shared_tokens = sum(fast.count_chat(c) for c in shared)
+    # One fresh set of user messages per round; only the system prompt repeats.
+    shared = [shared_system(20, words, round_=r + 1) for r in range(args.rounds)]
+    shared_tokens = [sum(fast.count_chat(c) for c in chats) for chats in shared]
     cached = load(args.model, fast=True, cache_bytes=64 * 2**20)
-    cached.count_chat(shared[0])  # the system prompt is in the cache from here on
-    encoder = fast._encoder
+    cached.count_chat(shared_system(1, words, round_=0)[0])  # warms the system prompt only
+    encoder = fast._encoder  # no public accessor for a counter's encoder
     runs: dict[str, tuple[Callable[[], object], int]] = {
         "raw": (lambda: [raw.encode(t, add_special_tokens=False) for t in rendered], tokens),
         "fast_encode": (lambda: [encoder.encode_rendered(t) for t in rendered], tokens),
         "count_fast": (lambda: [fast.count_chat(c) for c in batch], tokens),
         "count_tokenizers": (lambda: [slow.count_chat(c) for c in batch], tokens),
-        "count_shared": (lambda: [cached.count_chat(c) for c in shared], shared_tokens),
     }
-    rates: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(args.rounds):
+    rates: dict[str, list[float]] = {k: [] for k in (*runs, "count_shared")}
+    for r in range(args.rounds):
         for key, (fn, n_tokens) in runs.items():
             t0 = time.perf_counter()
             fn()
             rates[key].append(n_tokens / (time.perf_counter() - t0))
+        chats = shared[r]
+        before = cached.cache_stats()
+        t0 = time.perf_counter()
+        counted = sum(cached.count_chat(c) for c in chats)
+        rates["count_shared"].append(shared_tokens[r] / (time.perf_counter() - t0))
+        after = cached.cache_stats()
+        assert counted == shared_tokens[r]
+        assert before is not None and after is not None
+        # Per chat: the system prompt hits, the new user message misses.
+        assert (after.hits - before.hits, after.misses - before.misses) == (len(chats),) * 2, (
+            before, after)
     med = {k: statistics.median(v) for k, v in rates.items()}
     base = med["raw"]
     cells = " ".join(

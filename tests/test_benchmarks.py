@@ -41,7 +41,8 @@ QWEN = ROOT / "models" / "qwen3-14b"
 def test_prompt_builder_gives_exactly_the_recorded_tokens(tokens: int) -> None:
     counter = load_counter(QWEN)
     body = PromptBuilder(counter).body(RequestSpec(arrival_s=0, prompt_tokens=tokens,
-                                                   output_tokens=5))
+                                                   output_tokens=5),
+                                       behaviour=Behaviour.CAP_2048)
     assert counter.count_chat(ChatRequest(messages=body["messages"])) == tokens
 
 

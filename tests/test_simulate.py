@@ -231,7 +231,7 @@ def test_simulate_agrees_with_a_live_replay(mode: ReservationMode) -> None:
 
     from benchmarks.suite.cluster import GateSettings, SimParams, cluster
     from benchmarks.suite.loadgen import run_open_loop
-    from benchmarks.suite.workloads import PromptBuilder, load_azure, replay
+    from benchmarks.suite.workloads import Behaviour, PromptBuilder, load_azure, replay
     from proxy.tokenize import load_counter
 
     params = SimParams(kv_tokens=16384, decode_step_ms=40.0)
@@ -252,8 +252,10 @@ def test_simulate_agrees_with_a_live_replay(mode: ReservationMode) -> None:
     async def live() -> tuple[list[tuple[bool, str | None, float | None]], str]:
         with cluster(params, gate=gate) as c:
             assert c.proxy is not None
+            # `recorded` on purpose: the simulated Scenario above replays its default
+            # client, `recorded`, and live must send the same to be compared with it.
             run = await run_open_loop([c.proxy], specs, builder, hard_stop_s=45.0,
-                                      deadline_s=gate.deadline_s)
+                                      behaviour=Behaviour.RECORDED, deadline_s=gate.deadline_s)
             async with aiohttp.ClientSession() as s, s.get(f"{c.proxy}/metrics") as resp:
                 page = await resp.text()
         return [(r.ok, r.code, r.ttft_s) for r in run.results], page

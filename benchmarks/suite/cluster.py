@@ -1,4 +1,5 @@
-"""Two simulated GPU backends, with or without kvgate in front, as separate processes.
+"""Simulated GPU backends (two unless asked), with or without kvgate in front, as
+separate processes.
 
 A target is how the clients reach the backends: straight (round-robin), straight with
 a client-side give-up at kvgate's queue deadline, or through kvgate with one of its
@@ -84,7 +85,8 @@ def free_port() -> int:
 
 def kvgate_config(params: SimParams, gate: GateSettings, *, port: int,
                   sims: list[str]) -> dict[str, Any]:
-    """kvgate's configuration for two simulated backends, as the TOML file will hold it."""
+    """kvgate's configuration for the simulated backends `sims`, as the TOML file will hold
+    it."""
     model: dict[str, Any] = {
         "name": MODEL, "path": str(QWEN), "max_model_len": params.max_model_len,
         "output_policy": gate.output_policy,
@@ -175,13 +177,13 @@ def _start(cmd: list[str], log: Path, port: int, name: str,
 
 @contextlib.contextmanager
 def cluster(params: SimParams, *, gate: GateSettings | None = None,
-            seed: int = 0) -> Iterator[Cluster]:
-    """Two fresh simulated backends, and kvgate in front when `gate` is given."""
+            seed: int = 0, backends: int = 2) -> Iterator[Cluster]:
+    """`backends` fresh simulated backends, and kvgate in front when `gate` is given."""
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         try:
             sims = []
-            for i in range(2):
+            for i in range(backends):
                 port = free_port()
                 _start([sys.executable, "-m", "proxy", "sim", "--port", str(port),
                         "--kv-tokens", str(params.kv_tokens), "--model", MODEL,
@@ -200,7 +202,7 @@ def cluster(params: SimParams, *, gate: GateSettings | None = None,
                 _start([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
                        Path(tmp) / "kvgate.log", port, "kvgate", procs)
                 proxy_url = f"http://127.0.0.1:{port}"
-            yield Cluster(sims=sims, proxy=proxy_url, capacity=2 * params.kv_tokens)
+            yield Cluster(sims=sims, proxy=proxy_url, capacity=backends * params.kv_tokens)
         finally:
             for proc in reversed(procs):
                 stop_process(proc)

@@ -126,11 +126,14 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, An
 
 async def run_open_loop(
     targets: Sequence[str], specs: Sequence[RequestSpec], builder: PromptBuilder, *,
-    hard_stop_s: float, deadline_s: float | None = None, label: str = "",
-    sampler: Callable[[float], Any] | None = None,
-    behaviour: Behaviour = Behaviour.RECORDED, give_up_s: float | None = None,
+    hard_stop_s: float, behaviour: Behaviour, deadline_s: float | None = None,
+    label: str = "", sampler: Callable[[float], Any] | None = None,
+    give_up_s: float | None = None,
 ) -> Run:
     """Send each spec at its arrival time, round-robin over `targets`.
+
+    `behaviour` is what the client sends as `max_tokens`; it has no default because
+    `recorded` tells kvgate what no real client knows.
 
     `deadline_s` is kvgate's queue deadline (recorded to check its answers); `give_up_s`
     makes the client itself abandon a request without a first token by then.
@@ -182,9 +185,11 @@ async def _sample_loop(sampler: Callable[[float], Any], t0: float) -> None:
 
 async def run_closed_loop(
     target: str, specs: Sequence[RequestSpec], builder: PromptBuilder, *,
-    concurrency: int, hard_stop_s: float, stream: bool = True, label: str = "",
+    concurrency: int, hard_stop_s: float, behaviour: Behaviour, stream: bool = True,
+    label: str = "",
 ) -> Run:
-    """`concurrency` workers, each sending its next request when the last one ends."""
+    """`concurrency` workers, each sending its next request when the last one ends;
+    `behaviour` as in `run_open_loop`."""
     results = [Result(spec=s) for s in specs]
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(specs)):
@@ -195,7 +200,8 @@ async def run_closed_loop(
         async def worker() -> None:
             while not queue.empty():
                 i = queue.get_nowait()
-                await _one(session, target, builder.body(specs[i], stream=stream), {},
+                await _one(session, target,
+                           builder.body(specs[i], behaviour=behaviour, stream=stream), {},
                            results[i], t0)
 
         with contextlib.suppress(TimeoutError):

@@ -147,8 +147,10 @@ class PromptBuilder:
         self._overhead = counter.count_chat(empty)
         self._checked: set[int] = set()
 
-    def body(self, spec: RequestSpec, *, behaviour: Behaviour = Behaviour.RECORDED,
+    def body(self, spec: RequestSpec, *, behaviour: Behaviour,
              stream: bool = True) -> dict[str, Any]:
+        """One request's body; `behaviour` (required: `recorded` hands kvgate the answer's
+        length, which no real client knows) decides its `max_tokens`."""
         n = max(spec.prompt_tokens, self._overhead + 1)
         messages = [{"role": "user", "content": " the" * (n - self._overhead)}]
         if n not in self._checked and len(self._checked) < 64:
