@@ -9,7 +9,7 @@ The counts are the same function of the same bytes, so they are exactly the same
 
 Wire: one Unix socket pair per worker; frames of `!II` (payload length, request id) and
 a payload. Request: one byte for the endpoint (`c` chat, `p` completions) then the body.
-Answer: JSON, `{"ok": [counts...], "cache": [hits, misses, bytes]}`, or
+Answer: JSON, `{"ok": [counts...], "cache": [hits, misses, bytes, entries]}`, or
 `{"template": message}` (the chat template refused: the caller's 400), or `{"fail":
 message}` (a defect: the caller's 500). Id 0 is the worker's "loaded and ready".
 
@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import json
 import logging
+import operator
 import os
 import signal
 import socket
@@ -44,6 +46,7 @@ __all__ = ["CountWorkers", "WorkerGone"]
 _HEADER = struct.Struct("!II")
 _ENDPOINT_BYTE = {"chat": b"c", "completions": b"p"}
 _READY_ID = 0
+_STATS_FIELDS = ("hits", "misses", "size_bytes", "entries")  # the order workers send
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 START_TIMEOUT_S = 120.0
 
@@ -197,11 +200,9 @@ class CountWorkers:
 
     def cache_stats(self, model: str) -> CacheStats | None:
         """The workers' count caches for `model`, summed (as each last reported)."""
-        seen = [w.cache[model] for w in self._workers if model in w.cache]
-        if not seen:
-            return None
-        return CacheStats(hits=sum(s[0] for s in seen), misses=sum(s[1] for s in seen),
-                          size_bytes=sum(s[2] for s in seen), entries=sum(s[3] for s in seen))
+        seen = [CacheStats(**dict(zip(_STATS_FIELDS, w.cache[model], strict=True)))
+                for w in self._workers if model in w.cache]
+        return functools.reduce(operator.add, seen) if seen else None
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"pid": w.proc.pid, "alive": w.alive, "counted": w.counted}
@@ -249,8 +250,8 @@ def _answer(counters: Mapping[str, Any], payload: bytes) -> dict[str, Any]:
     except Exception as exc:  # reported to the proxy, which answers 500 and logs it
         return {"fail": f"{type(exc).__name__}: {exc}"}
     stats = counter.cache_stats()
-    cache = ([stats.hits, stats.misses, stats.size_bytes, stats.entries]
-             if stats is not None else [0, 0, 0, 0])
+    cache = ([getattr(stats, f) for f in _STATS_FIELDS] if stats is not None
+             else [0] * len(_STATS_FIELDS))
     return {"ok": list(counts), "model": req.model, "cache": cache}
 
 

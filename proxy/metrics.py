@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.tokenize.cache import CacheStats
+
 __all__ = ["CONTENT_TYPE", "Metrics", "Outcome"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -169,7 +171,7 @@ class Metrics:
         return generate_latest(self.registry)
 
     # --- count cache (proxy.tokenize.cache): read at scrape time, per model
-    def watch_count_cache(self, model: str, stats: Callable[[], _CacheStats | None]) -> None:
+    def watch_count_cache(self, model: str, stats: Callable[[], CacheStats | None]) -> None:
         """Export `kvgate_count_cache_{hits,misses}_total` and `_bytes` for one model."""
         if self._count_cache is None:
             self._count_cache = _CountCacheCollector()
@@ -181,21 +183,12 @@ class _Labelled(Protocol):
     def labels(self, *labelvalues: str) -> Any: ...
 
 
-class _CacheStats(Protocol):
-    @property
-    def hits(self) -> int: ...
-    @property
-    def misses(self) -> int: ...
-    @property
-    def size_bytes(self) -> int: ...
-
-
 class _CountCacheCollector(Collector):
     """The cache keeps its own counters (it lives in the counting threads); a collector
     reads them at scrape time instead of paying a metric update per lookup."""
 
     def __init__(self) -> None:
-        self.sources: dict[str, Callable[[], _CacheStats | None]] = {}
+        self.sources: dict[str, Callable[[], CacheStats | None]] = {}
 
     def collect(self) -> Iterator[Metric]:
         hits = CounterMetricFamily("kvgate_count_cache_hits",

@@ -807,9 +807,7 @@ def _cache_stats(state: ProxyState, model: ModelRuntime) -> CacheStats | None:
               if state.count_workers is not None else None)
     if own is None or theirs is None:
         return own or theirs
-    return CacheStats(hits=own.hits + theirs.hits, misses=own.misses + theirs.misses,
-                      size_bytes=own.size_bytes + theirs.size_bytes,
-                      entries=own.entries + theirs.entries)
+    return own + theirs
 
 
 def build_app(config: KvgateConfig, *, ledger: Ledger | None = None) -> web.Application:

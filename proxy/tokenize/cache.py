@@ -38,6 +38,12 @@ class CacheStats:
     size_bytes: int
     entries: int
 
+    def __add__(self, other: CacheStats) -> CacheStats:
+        """Several caches of one model (the proxy's and its count workers') as one."""
+        return CacheStats(hits=self.hits + other.hits, misses=self.misses + other.misses,
+                          size_bytes=self.size_bytes + other.size_bytes,
+                          entries=self.entries + other.entries)
+
 
 class CountCache:
     """Segment text -> token count, least recently used evicted past `max_bytes`."""
