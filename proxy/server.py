@@ -333,25 +333,6 @@ async def _count(
     return counts
 
 
-def _eos_fields(req: ValidRequest) -> tuple[int, bool]:
-    """vLLM's `min_tokens` and `ignore_eos`: both bound how early EOS can end a request."""
-    min_tokens = req.body.get("min_tokens", 0)
-    if min_tokens is None:
-        min_tokens = 0
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
-        raise InvalidRequest(
-            f"`min_tokens` must be an integer >= 0. Given: {json.dumps(min_tokens)}",
-            param="min_tokens",
-        )
-    ignore_eos = req.body.get("ignore_eos", False)
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise InvalidRequest(
-            f"`ignore_eos` must be true or false. Given: {json.dumps(ignore_eos)}",
-            param="ignore_eos",
-        )
-    return min_tokens, bool(ignore_eos)
-
-
 def _demand(
     model: ModelRuntime, req: ValidRequest, prompts: list[int], request: web.Request,
     state: ProxyState,
@@ -363,9 +344,9 @@ def _demand(
     and must fit the context with it.
     """
     cfg = model.config
-    min_tokens, ignore_eos = _eos_fields(req)
+    min_tokens = req.min_tokens
     # Several prompts in one call: one lease, several sequences; follow none of them.
-    strict = ignore_eos or len(prompts) > 1 or model.tracker is None
+    strict = req.ignore_eos or len(prompts) > 1 or model.tracker is None
     decisions = []
     for prompt_tokens in prompts:
         engine_default = default_output_tokens(

@@ -46,6 +46,8 @@ class ValidRequest:
     n: int
     max_tokens: int | None
     max_tokens_field: str
+    min_tokens: int  # vLLM's: EOS cannot end the answer before this many tokens
+    ignore_eos: bool  # vLLM's: EOS never ends it, max_tokens does
     chat: ChatRequest | None
     prompts: tuple[str | tuple[int, ...], ...]
     body: Mapping[str, Any]
@@ -303,6 +305,10 @@ def validate(raw: bytes, endpoint: Endpoint) -> ValidRequest:
     if not isinstance(stream, bool):
         raise _fail(f"`stream` must be a boolean. Given: {json.dumps(stream)}", "stream")
     n = _int_field(body, "n", minimum=1) or 1
+    ignore_eos = body.get("ignore_eos", False)
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise _fail(f"`ignore_eos` must be true or false. Given: {json.dumps(ignore_eos)}",
+                    "ignore_eos")
     max_tokens = _int_field(body, "max_tokens", minimum=1)
     field = "max_tokens"
     if endpoint is Endpoint.CHAT:
@@ -322,6 +328,8 @@ def validate(raw: bytes, endpoint: Endpoint) -> ValidRequest:
         n=n,
         max_tokens=max_tokens,
         max_tokens_field=field,
+        min_tokens=_int_field(body, "min_tokens", minimum=0) or 0,
+        ignore_eos=bool(ignore_eos),
         chat=_chat(body) if chat else None,
         prompts=() if chat else _prompts(body.get("prompt")),
         body=body,

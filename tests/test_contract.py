@@ -173,6 +173,22 @@ def test_body_that_is_not_what_its_content_encoding_says_is_400(encoding: str) -
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": "5"}, "min_tokens"),
+    ({"min_tokens": True}, "min_tokens"), ({"ignore_eos": "yes"}, "ignore_eos"),
+])
+def test_bad_eos_fields_are_400_naming_the_field(extra: dict[str, Any], param: str) -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1) as stack, aiohttp.ClientSession() as s:
+            raw = json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 5,
+                              **extra}).encode()
+            status, _, data = await post(s, stack.url + PATHS[0], raw)
+            assert status == 400, data
+            assert assert_shaped(data, 400, "invalid_request")["param"] == param
+
+    asyncio.run(scenario())
+
+
 def test_unknown_route_is_404_not_found_and_wrong_method_405_with_allow() -> None:
     async def scenario() -> None:
         async with running_stack(backends=1) as stack, aiohttp.ClientSession() as s:
