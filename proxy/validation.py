@@ -58,7 +58,10 @@ class ValidRequest:
         `max_completion_tokens`, and an engine honours either), else `max_tokens_field`."""
         present = [f for f in _MAX_TOKENS_FIELDS if self.body.get(f) is not None]
         fields = dict.fromkeys(present or [self.max_tokens_field], max_tokens)
-        return json.dumps({**self.body, **fields}).encode()
+        # Compact and UTF-8 as is: `parse_body` has ruled out unencodable strings, and
+        # ASCII escapes would grow non-Latin text up to six times on the wire.
+        return json.dumps({**self.body, **fields}, ensure_ascii=False,
+                          separators=(",", ":")).encode()
 
 
 _MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")

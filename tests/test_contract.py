@@ -306,6 +306,12 @@ def test_cap_rewrites_both_max_tokens_fields_when_both_are_given() -> None:
                 {"max_tokens": 20},
                 {"max_tokens": 20},
             ]
+            # Everything else passes unchanged, non-ASCII text and emoji included.
+            text = [{"role": "user", "content": "Größe 東京 \U0001F600 \"q\" \\ \n"}]
+            body = {"model": MODEL, "messages": text, "max_tokens": 500, "top_p": 0.5}
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+            assert seen[-1] == {**body, "max_tokens": 20}
             await settle(stack)
 
     asyncio.run(scenario())
