@@ -113,9 +113,9 @@ class Metrics:
         self._child(self._capacity, backend).set(capacity_tokens)
 
     def backend_state(self, backend: str, *, resident: int, capacity: int, inflight: int) -> None:
-        self._child(self._resident, backend).set(resident)
+        """What only the lease events see: the distribution, the peak, the least headroom.
+        The current resident and in-flight gauges are set at scrape time (`backend_view`)."""
         self._child(self._resident_seen, backend).observe(resident)
-        self._child(self._inflight, backend).set(inflight)
         if inflight > self._peaks.get(backend, 0):
             self._peaks[backend] = inflight
             self._child(self._inflight_peak, backend).set(inflight)
