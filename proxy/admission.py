@@ -398,7 +398,9 @@ class AdmissionController:
 
     async def _dispatch_once(self, now: float) -> None:
         for short in list(self._short.values()):  # running requests first
-            await self.resize(short, short.wanted_tokens)
+            b = short.backend  # where the ledger shows no free room, a round trip buys nothing
+            if self._ledger.resident(b.name) < b.capacity_tokens:
+                await self.resize(short, short.wanted_tokens)
         if self.sizer is not None:
             for w in self._waiters:
                 if w.demand.follow:
