@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from proxy.cli import main
 from proxy.metrics import Metrics
-from proxy.tokenize import ChatRequest, TokenCounter, load_counter
+from proxy.tokenize import ChatRequest, TokenCounter, encoders, load_counter
 from proxy.tokenize.bytelevel import (
     ENV_SWITCH,
     PROBES,
@@ -117,6 +117,110 @@ def test_check_config_names_each_models_counting_path(
     out = capsys.readouterr().out
     assert "counting: fast byte-level BPE (tiktoken core)" in out
     assert "counting: tokenizers (fast path off: normalizer 'NFKC' is not NFC)" in out
+
+
+# ------------------------------------------------------------------ segment additivity
+
+METASPACE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "[INST]{{ m['content'] }}[/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+METASPACE_CHATS = [
+    [{"role": "user", "content": "hello world"},
+     {"role": "assistant", "content": "the quick brown fox jumps over the lazy dog"},
+     {"role": "user", "content": " hello there, how are you?"}],
+    [{"role": "user", "content": "\nthe lazy dog\n"}, {"role": "assistant", "content": "fox"}],
+]
+
+
+def metaspace_model(tmp_path: Path, prepend_scheme: str, *, nested: bool = False) -> Path:
+    """A small BPE trained here, with Mistral v0.3's pre-tokenizer shape: Metaspace,
+    "▁" prepended per `prepend_scheme`, and [INST] [/INST] as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([metaspace]) if nested else metaspace
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world",
+              "hello there, how are you?"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    tok.add_special_tokens(["[INST]", "[/INST]"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": METASPACE_TEMPLATE}))
+    return tmp_path
+
+
+def assert_counts_as_tokenizers(model: Path) -> TokenCounter:
+    """kvgate's chat count is `tokenizers`' count of the same rendered text, and
+    transformers' `apply_chat_template` count."""
+    from tokenizers import Tokenizer
+
+    counter = counter_for(str(model))
+    reference = Tokenizer.from_file(str(model / "tokenizer.json"))
+    transformers_tok = hf_tokenizer(model)
+    for messages in METASPACE_CHATS:
+        chat = ChatRequest(messages=copy.deepcopy(messages))
+        rendered = counter.render_chat(chat)
+        expected = len(reference.encode(rendered, add_special_tokens=False).ids)
+        for _ in range(2):  # the second count may come from the cache
+            assert counter.count_chat(chat) == expected, rendered
+        assert expected == hf_count(transformers_tok, {"messages": copy.deepcopy(messages)})
+    return counter
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_metaspace_prepend_first_counts_the_whole_text(tmp_path: Path, nested: bool) -> None:
+    """`prepend_scheme: "first"` prepends "▁" only at offset 0 of the whole text: the
+    text after [INST] encodes differently on its own, so kvgate must not split there."""
+    from tokenizers import Tokenizer
+
+    model = metaspace_model(tmp_path, "first", nested=nested)
+    reference = Tokenizer.from_file(str(model / "tokenizer.json"))
+    text = "[INST]hello world[/INST]the quick brown fox"
+    whole = len(reference.encode(text, add_special_tokens=False).ids)
+    segments = 2 + sum(len(reference.encode(t, add_special_tokens=False).ids)
+                       for t in ("hello world", "the quick brown fox"))
+    assert whole > segments  # the undercount that splitting would give
+
+    counter = assert_counts_as_tokenizers(model)
+    assert counter.count_prompt(text) == whole
+    assert counter.encoder_description == (
+        "tokenizers (fast path off: it needs segment splitting); segment splitting off "
+        "(prompts encoded whole): the Metaspace pre-tokenizer prepends '▁' only at the "
+        "start of the whole text (prepend_scheme 'first')")
+
+
+def test_additivity_probe_alone_turns_splitting_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the structural rule, the load-time probe still finds the difference."""
+    monkeypatch.setattr(encoders, "_metaspace_first", lambda pre: False)
+    counter = assert_counts_as_tokenizers(metaspace_model(tmp_path, "first"))
+    assert counter.encoder_description.endswith(
+        "segment splitting off (prompts encoded whole): "
+        "text next to an added token encodes differently on its own")
+
+
+def test_metaspace_prepend_always_keeps_splitting(tmp_path: Path) -> None:
+    """`prepend_scheme: "always"` marks every segment alike: additive, so it splits."""
+    counter = assert_counts_as_tokenizers(metaspace_model(tmp_path, "always"))
+    assert isinstance(counter._encoder, HFEncoder)
+    assert counter._encoder.splitter is not None
+    assert "segment splitting off" not in counter.encoder_description
+
+
+@pytest.mark.parametrize("name", ["qwen3-14b", "gpt-oss-20b", "deepseek-v3", "gemma-3-12b-it"])
+def test_bundled_models_pass_the_additivity_probe(name: str) -> None:
+    counter = counter_for(name)
+    assert "segment splitting off" not in counter.encoder_description
+    encoder = counter._encoder
+    reference = encoder._ref if isinstance(encoder, ByteLevelBPEEncoder) else encoder
+    assert isinstance(reference, HFEncoder) and reference.splitter is not None
 
 
 # ------------------------------------------------------------------ structure

@@ -2,9 +2,14 @@
 
 Every encoder also splits rendered text on its added/special tokens
 (`split_rendered`) and encodes the plain text between them (`encode_segment`).
-The engine's tokenizer encodes those segments independently of each other, so a
-count is the sum over segments plus one per special token; that is what lets the
-count cache (`proxy.tokenize.cache`) reuse a segment it has seen before. The fast
+Where the engine's tokenizer encodes those segments independently of each other,
+a count is the sum over segments plus one per special token; that is what lets the
+count cache (`proxy.tokenize.cache`) reuse a segment it has seen before. Not every
+`tokenizer.json` is additive: a `Metaspace` pre-tokenizer with `prepend_scheme:
+"first"` (Mistral v0.3, non-legacy Llama 2 conversions) prepends "▁" only to the
+text at offset 0 of the whole input, so a segment after an added token encodes
+differently on its own. `HFEncoder` checks additivity when it loads (by structure
+and on probe strings) and otherwise encodes the rendered text whole. The fast
 exact byte-level BPE encoder is in `proxy.tokenize.bytelevel`.
 """
 
@@ -74,6 +79,34 @@ def hf_added_tokens(tokenizer_json: Mapping[str, Any]) -> dict[str, int] | None:
     return out
 
 
+def _metaspace_first(pre: Any) -> bool:
+    """A `Metaspace` pre-tokenizer (alone or in a `Sequence`) that prepends "▁" only
+    at offset 0 of the whole text: segments between added tokens are not independent."""
+    if not isinstance(pre, Mapping):
+        return False
+    if pre.get("type") == "Sequence":
+        return any(_metaspace_first(p) for p in pre.get("pretokenizers") or [])
+    return pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first"
+
+
+# Neighbours an added token is probed next to: words, spaces, newlines, the start
+# and end of the text, and another added token.
+_ADDITIVITY_CONTEXTS: tuple[str, ...] = (
+    "{t}hello world{t}the quick brown fox{t}",
+    "hello{t} world {t}  x\n{t}\ny\n\n{t}\n\nz",
+    " {t} {t}{t}\t{t}end",
+    "a{t}b 1{t}2 ▁{t}▁ 東京{t}é",
+)
+_ADDITIVITY_TOKENS = 8  # added tokens probed, spread over the table
+
+
+def _added_token_probes(tokens: Mapping[str, int]) -> list[str]:
+    by_id = sorted(tokens, key=lambda t: (tokens[t], t))
+    step = max(1, len(by_id) // _ADDITIVITY_TOKENS)
+    picked = by_id[::step][:_ADDITIVITY_TOKENS]
+    return [ctx.format(t=tok) for tok in picked for ctx in _ADDITIVITY_CONTEXTS]
+
+
 class HFEncoder:
     """A `tokenizers.Tokenizer` from `tokenizer.json`, with transformers' BOS rule."""
 
@@ -91,10 +124,27 @@ class HFEncoder:
         self.description = "tokenizers"
         self.fast = False
         added = hf_added_tokens(tokenizer_json) if tokenizer_json is not None else None
-        # Without the token table (or with stripping added tokens) the text is one
-        # segment: counts stay exact, only the cache has less to reuse.
+        # Without the token table (or with stripping added tokens, or a tokenizer
+        # whose segments are not independent) the text is one segment: counts stay
+        # exact, only the cache has nothing to reuse.
         self.added_tokens = added
-        self.splitter = SpecialSplitter(added) if added is not None else None
+        self.splitter: SpecialSplitter | None = None
+        self.split_off: str | None = None  # why segment splitting is off, when it is
+        if tokenizer_json is None:
+            self.split_off = "no tokenizer.json table of added tokens"
+        elif added is None:
+            self.split_off = ("an added token strips whitespace, is single-word, "
+                              "or is matched normalized")
+        elif _metaspace_first(tokenizer_json.get("pre_tokenizer")):
+            self.split_off = (
+                "the Metaspace pre-tokenizer prepends '▁' only at the start of the whole "
+                "text (prepend_scheme 'first')")
+        else:
+            splitter = SpecialSplitter(added)
+            if added and not self._additive(splitter, _added_token_probes(added)):
+                self.split_off = "text next to an added token encodes differently on its own"
+            else:
+                self.splitter = splitter
         # transformers' Llama-style fast tokenizers rebuild the post-processor from
         # `add_bos_token` (DeepSeek V3's tokenizer.json adds none, its config says True).
         self.force_bos: int | None = None
@@ -107,6 +157,19 @@ class HFEncoder:
         if add_special_tokens and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
+
+    def _additive(self, splitter: SpecialSplitter, probes: list[str]) -> bool:
+        """Whether encoding each probe whole gives the ids of its segments in turn."""
+        for text in probes:
+            ids: list[int] = []
+            for part in splitter.split(text):
+                if isinstance(part, int):
+                    ids.append(part)
+                else:
+                    ids += self.encode_segment(part)
+            if ids != self.encode_rendered(text):
+                return False
+        return True
 
     def encode_rendered(self, text: str) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids

@@ -75,6 +75,9 @@ def load_counter(
         encoder: Encoder = fast if fast is not None else reference
         if fast is None:
             reference.description = f"tokenizers (fast path off: {why})"
+        if reference.split_off is not None:
+            reference.description += (
+                f"; segment splitting off (prompts encoded whole): {reference.split_off}")
         return TokenCounter(
             name=label, encoder=encoder, chat_template=template, special_tokens=special,
             cache_bytes=cache_bytes,
