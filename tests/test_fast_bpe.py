@@ -13,6 +13,7 @@ import copy
 import functools
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from proxy.tokenize.bytelevel import (
 )
 from proxy.tokenize.cache import MIN_CACHED_CHARS, CountCache
 from proxy.tokenize.counting import INLINE_MESSAGES, INLINE_NEW_CHARS
-from proxy.tokenize.encoders import HFEncoder, hf_added_tokens
+from proxy.tokenize.encoders import HFEncoder, SpecialSplitter, hf_added_tokens
 from tests.support.corpus import conversations
 from tests.support.reference import hf_count, hf_tokenizer
 
@@ -221,6 +222,102 @@ def test_bundled_models_pass_the_additivity_probe(name: str) -> None:
     encoder = counter._encoder
     reference = encoder._ref if isinstance(encoder, ByteLevelBPEEncoder) else encoder
     assert isinstance(reference, HFEncoder) and reference.splitter is not None
+
+
+# ------------------------------------------------------------------ added-token splitting
+
+
+def alternation_split(tokens: dict[str, int], text: str) -> list[str | int]:
+    """The splitter as it was: one alternation of every token, longest first."""
+    pattern = re.compile("|".join(map(re.escape, sorted(tokens, key=lambda t: (-len(t), t)))))
+    out: list[str | int] = []
+    pos = 0
+    for m in pattern.finditer(text):
+        if m.start() > pos:
+            out.append(text[pos:m.start()])
+        out.append(tokens[m.group()])
+        pos = m.end()
+    if pos < len(text):
+        out.append(text[pos:])
+    return out
+
+
+@functools.cache
+def added_tokens(name: str) -> dict[str, int]:
+    data = json.loads((MODELS / name / "tokenizer.json").read_text())
+    tokens = hf_added_tokens(data)
+    assert tokens
+    return tokens
+
+
+SPLIT_MODELS = ["deepseek-v3", "qwen3-14b", "gpt-oss-20b", "gemma-3-12b-it"]
+
+
+def near_token_text(rng: random.Random, tokens: list[str]) -> str:
+    """Whole tokens, their prefixes and suffixes, characters they use, and words."""
+    alphabet = sorted({ch for t in tokens for ch in t})
+    parts = []
+    for _ in range(rng.randint(0, 30)):
+        token = rng.choice(tokens)
+        kind = rng.randrange(6)
+        if kind == 0:
+            parts.append(token)
+        elif kind == 1:
+            parts.append(token[:rng.randint(1, len(token))])
+        elif kind == 2:
+            parts.append(token[rng.randint(0, len(token) - 1):])
+        elif kind == 3:
+            parts.append("".join(rng.choices(alphabet, k=rng.randint(1, 6))))
+        elif kind == 4:
+            parts.append(rng.choice(["<div>", " ", "\n", "hello", "<", "|", "｜", "<|", "▁"]))
+        else:
+            other = rng.choice(tokens)
+            parts.append(token[:rng.randint(0, len(token))] + other[rng.randint(0, len(other)):])
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("name", SPLIT_MODELS)
+def test_splitter_splits_as_the_longest_first_alternation(name: str) -> None:
+    tokens = added_tokens(name)
+    splitter = SpecialSplitter(tokens)
+    rng = random.Random(name)
+    ordered = sorted(tokens)
+    sample = rng.sample(ordered, min(300, len(ordered)))
+    texts = [near_token_text(rng, ordered) for _ in range(1000)] + sample + [
+        "".join(sample), "<div>hello</div>\n" * 100]
+    mismatches = [ascii(t) for t in texts if splitter.split(t) != alternation_split(tokens, t)]
+    assert mismatches == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_splitter_splits_as_the_alternation_on_fuzzed_text(data: st.DataObject) -> None:
+    name = data.draw(st.sampled_from(SPLIT_MODELS))
+    tokens = added_tokens(name)
+    ordered = sorted(tokens)
+    piece = st.one_of(
+        st.sampled_from(ordered),
+        st.builds(lambda t, k: t[:k], st.sampled_from(ordered), st.integers(1, 40)),
+        st.builds(lambda t, k: t[k:], st.sampled_from(ordered), st.integers(0, 40)),
+        st.text(alphabet=sorted({ch for t in ordered for ch in t}), max_size=6),
+        st.text(max_size=4),
+    )
+    text = data.draw(st.lists(piece, max_size=25).map("".join))
+    assert SpecialSplitter(tokens).split(text) == alternation_split(tokens, text)
+
+
+def test_splitter_matches_tokenizers_on_its_added_tokens() -> None:
+    """Both agree with `tokenizers` itself, which finds added tokens leftmost-longest."""
+    encoder = counter_for("qwen3-14b")._encoder
+    assert isinstance(encoder, ByteLevelBPEEncoder)
+    tokens = added_tokens("qwen3-14b")
+    rng = random.Random(7)
+    for _ in range(300):
+        text = near_token_text(rng, sorted(tokens))
+        ids = encoder._ref.encode_rendered(text)
+        split = encoder.split_rendered(text)
+        assert [p for p in split if isinstance(p, int)] == [i for i in ids if i in
+                                                            tokens.values()], ascii(text)
 
 
 # ------------------------------------------------------------------ structure
@@ -538,3 +635,4 @@ def test_async_count_agrees_inline_and_in_the_pool() -> None:
     expected = [counter_for("qwen3-14b", cache_bytes=0).count_chat(c)
                 for c in (short, long, many)]
     assert asyncio.run(counts()) == expected
+

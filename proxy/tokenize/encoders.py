@@ -27,18 +27,50 @@ from proxy.tokenize.base import TokenizerLoadError
 __all__ = ["HFEncoder", "SpecialSplitter", "TiktokenEncoder"]
 
 
+def _trie_pattern(tokens: list[str]) -> str:
+    """A regex matching exactly `tokens`, built from their prefix trie.
+
+    At each position the regex follows the one branch whose next character fits,
+    preferring the longer continuation (greedy `(?:...)?`) and backing off to a
+    token that ends earlier: the longest token that starts there, as a longest-first
+    alternation matches, but without trying every token at every position (818
+    alternatives for DeepSeek V3). Chains with one child and no token ending in
+    them are written as one literal.
+    """
+    trie: dict[str, Any] = {}
+    for token in tokens:
+        node = trie
+        for ch in token:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a token ends here
+
+    def emit(node: dict[str, Any]) -> str:
+        alts: list[str] = []
+        for ch in sorted(k for k in node if k):
+            literal, child = ch, node[ch]
+            while "" not in child and len(child) == 1:
+                ((nxt, child),) = child.items()
+                literal += nxt
+            alts.append(re.escape(literal) + emit(child))
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else f"(?:{'|'.join(alts)})"
+        return f"(?:{body})?" if "" in node else body
+
+    return emit(trie)
+
+
 class SpecialSplitter:
     """Finds added tokens in text as `tokenizers` does: leftmost, then longest.
 
-    `tokenizers` matches added tokens with Aho-Corasick, leftmost-longest; a regex
-    alternation tries its alternatives in order at the leftmost position, so listing
-    longer tokens first gives the same match ("<|im_start|>" before "<|im").
+    `tokenizers` matches added tokens with Aho-Corasick, leftmost-longest: the
+    regex scans for the leftmost position where a token starts and takes the
+    longest token there ("<|im_start|>" before "<|im"), then goes on after it.
     """
 
     def __init__(self, tokens: Mapping[str, int]) -> None:
-        self._ids = dict(tokens)
-        ordered = sorted(self._ids, key=lambda t: (-len(t), t))
-        self._re = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        self._ids = {t: i for t, i in tokens.items() if t}
+        self._re = re.compile(_trie_pattern(list(self._ids))) if self._ids else None
 
     def split(self, text: str) -> list[str | int]:
         """Plain-text segments (non-empty `str`) and special token ids (`int`), in order."""
