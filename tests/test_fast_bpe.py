@@ -14,6 +14,7 @@ import functools
 import json
 import random
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from proxy.tokenize.bytelevel import (
     try_fast,
 )
 from proxy.tokenize.cache import MIN_CACHED_CHARS, CountCache
-from proxy.tokenize.counting import INLINE_MESSAGES, INLINE_NEW_CHARS
+from proxy.tokenize.counting import INLINE_MESSAGES, INLINE_NEW_CHARS, INLINE_RENDERED_CHARS
 from proxy.tokenize.encoders import HFEncoder, SpecialSplitter, hf_added_tokens
 from tests.support.corpus import conversations
 from tests.support.reference import hf_count, hf_tokenizer
@@ -636,3 +637,32 @@ def test_async_count_agrees_inline_and_in_the_pool() -> None:
                 for c in (short, long, many)]
     assert asyncio.run(counts()) == expected
 
+
+def test_long_rendered_prompt_is_split_in_the_pool_even_when_cached(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Splitting a prompt of megabytes would hold the loop: past INLINE_RENDERED_CHARS
+    the whole count (split and cache lookups too) runs in the pool, cached or not."""
+    counter = counter_for("qwen3-14b")
+    segments = counter._segments
+    threads: list[str] = []
+    real_plan = segments.plan
+
+    def plan(text: str) -> tuple[int, list[str]]:
+        threads.append(threading.current_thread().name)
+        return real_plan(text)
+
+    monkeypatch.setattr(segments, "plan", plan)
+    long = ChatRequest(messages=[
+        {"role": "system", "content": "shared context " * (INLINE_RENDERED_CHARS // 14)},
+        {"role": "user", "content": "ok?"}])
+    short = ChatRequest(messages=[{"role": "user", "content": "hello there"}])
+    expected = [counter_for("qwen3-14b", cache_bytes=0).count_chat(c) for c in (long, short)]
+
+    async def counts() -> list[int]:
+        return [await counter.count_chat_async(c) for c in (long, long, short)]
+
+    assert asyncio.run(counts()) == [expected[0], expected[0], expected[1]]
+    stats = counter.cache_stats()
+    assert stats is not None and stats.hits >= 1  # the second long count was cached
+    assert [t.startswith("kvgate-count") for t in threads] == [True, True, False]
