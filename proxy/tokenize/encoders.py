@@ -24,7 +24,7 @@ from typing import Any
 
 from proxy.tokenize.base import TokenizerLoadError
 
-__all__ = ["HFEncoder", "SpecialSplitter", "TiktokenEncoder"]
+__all__ = ["TIKTOKEN_NAMES", "HFEncoder", "SpecialSplitter", "TiktokenEncoder", "rank_file_name"]
 
 
 def _trie_pattern(tokens: list[str]) -> str:
@@ -204,8 +204,8 @@ class HFEncoder:
         return True
 
     def encode_rendered(self, text: str) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
-        return ids
+        # `tokenizers` splits added tokens out itself: the same call as a segment's.
+        return self.encode_segment(text)
 
     def encode_segment(self, text: str) -> list[int]:
         """Text with no added token in it: one segment of `split_rendered`."""
@@ -228,6 +228,16 @@ class HFEncoder:
 
 
 _tiktoken_lock = threading.Lock()
+
+# The tiktoken encodings a model directory is searched for, in this order.
+TIKTOKEN_NAMES = ("cl100k_base", "o200k_base", "o200k_harmony", "r50k_base", "p50k_base")
+# Encodings whose ranks are another's file (they add only special tokens).
+_RANK_FILES = {"o200k_harmony": "o200k_base", "p50k_edit": "p50k_base"}
+
+
+def rank_file_name(encoding: str) -> str:
+    """The `<name>.tiktoken` rank file an encoding reads."""
+    return _RANK_FILES.get(encoding, encoding)
 
 
 def _special_ids(enc: Any) -> dict[str, int]:
@@ -294,17 +304,10 @@ class TiktokenEncoder:
 
         import tiktoken
 
-        urls = {
-            "cl100k_base": "cl100k_base",
-            "o200k_base": "o200k_base",
-            "o200k_harmony": "o200k_base",
-            "r50k_base": "r50k_base",
-            "p50k_base": "p50k_base",
-            "p50k_edit": "p50k_base",
-        }
-        if name not in urls:
+        rank_name = rank_file_name(name)
+        if rank_name not in TIKTOKEN_NAMES:  # gpt2 reads other files
             raise TokenizerLoadError(f"tiktoken encoding {name!r} needs a local rank file")
-        url = f"https://openaipublic.blob.core.windows.net/encodings/{urls[name]}.tiktoken"
+        url = f"https://openaipublic.blob.core.windows.net/encodings/{rank_name}.tiktoken"
         cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
         cache = Path(cache_dir or Path(tempfile.gettempdir()) / "data-gym-cache")
         cached = cache / hashlib.sha1(url.encode()).hexdigest()
