@@ -13,6 +13,8 @@ import copy
 import functools
 import json
 import random
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from hypothesis import strategies as st
 
 from proxy.cli import main
 from proxy.metrics import Metrics
-from proxy.tokenize import ChatRequest, TokenCounter, load_counter
+from proxy.tokenize import ChatRequest, TokenCounter, encoders, load_counter
 from proxy.tokenize.bytelevel import (
     ENV_SWITCH,
     PROBES,
@@ -32,8 +34,8 @@ from proxy.tokenize.bytelevel import (
     try_fast,
 )
 from proxy.tokenize.cache import MIN_CACHED_CHARS, CountCache
-from proxy.tokenize.counting import INLINE_MESSAGES, INLINE_NEW_CHARS
-from proxy.tokenize.encoders import HFEncoder, hf_added_tokens
+from proxy.tokenize.counting import INLINE_MESSAGES, INLINE_NEW_CHARS, INLINE_RENDERED_CHARS
+from proxy.tokenize.encoders import HFEncoder, SpecialSplitter, hf_added_tokens
 from tests.support.corpus import conversations
 from tests.support.reference import hf_count, hf_tokenizer
 
@@ -117,6 +119,206 @@ def test_check_config_names_each_models_counting_path(
     out = capsys.readouterr().out
     assert "counting: fast byte-level BPE (tiktoken core)" in out
     assert "counting: tokenizers (fast path off: normalizer 'NFKC' is not NFC)" in out
+
+
+# ------------------------------------------------------------------ segment additivity
+
+METASPACE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "[INST]{{ m['content'] }}[/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+METASPACE_CHATS = [
+    [{"role": "user", "content": "hello world"},
+     {"role": "assistant", "content": "the quick brown fox jumps over the lazy dog"},
+     {"role": "user", "content": " hello there, how are you?"}],
+    [{"role": "user", "content": "\nthe lazy dog\n"}, {"role": "assistant", "content": "fox"}],
+]
+
+
+def metaspace_model(tmp_path: Path, prepend_scheme: str, *, nested: bool = False) -> Path:
+    """A small BPE trained here, with Mistral v0.3's pre-tokenizer shape: Metaspace,
+    "▁" prepended per `prepend_scheme`, and [INST] [/INST] as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([metaspace]) if nested else metaspace
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world",
+              "hello there, how are you?"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    tok.add_special_tokens(["[INST]", "[/INST]"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": METASPACE_TEMPLATE}))
+    return tmp_path
+
+
+def assert_counts_as_tokenizers(model: Path) -> TokenCounter:
+    """kvgate's chat count is `tokenizers`' count of the same rendered text, and
+    transformers' `apply_chat_template` count."""
+    from tokenizers import Tokenizer
+
+    counter = counter_for(str(model))
+    reference = Tokenizer.from_file(str(model / "tokenizer.json"))
+    transformers_tok = hf_tokenizer(model)
+    for messages in METASPACE_CHATS:
+        chat = ChatRequest(messages=copy.deepcopy(messages))
+        rendered = counter.render_chat(chat)
+        expected = len(reference.encode(rendered, add_special_tokens=False).ids)
+        for _ in range(2):  # the second count may come from the cache
+            assert counter.count_chat(chat) == expected, rendered
+        assert expected == hf_count(transformers_tok, {"messages": copy.deepcopy(messages)})
+    return counter
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_metaspace_prepend_first_counts_the_whole_text(tmp_path: Path, nested: bool) -> None:
+    """`prepend_scheme: "first"` prepends "▁" only at offset 0 of the whole text: the
+    text after [INST] encodes differently on its own, so kvgate must not split there."""
+    from tokenizers import Tokenizer
+
+    model = metaspace_model(tmp_path, "first", nested=nested)
+    reference = Tokenizer.from_file(str(model / "tokenizer.json"))
+    text = "[INST]hello world[/INST]the quick brown fox"
+    whole = len(reference.encode(text, add_special_tokens=False).ids)
+    segments = 2 + sum(len(reference.encode(t, add_special_tokens=False).ids)
+                       for t in ("hello world", "the quick brown fox"))
+    assert whole > segments  # the undercount that splitting would give
+
+    counter = assert_counts_as_tokenizers(model)
+    assert counter.count_prompt(text) == whole
+    assert counter.encoder_description == (
+        "tokenizers (fast path off: it needs segment splitting); segment splitting off "
+        "(prompts encoded whole): the Metaspace pre-tokenizer prepends '▁' only at the "
+        "start of the whole text (prepend_scheme 'first')")
+
+
+def test_additivity_probe_alone_turns_splitting_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the structural rule, the load-time probe still finds the difference."""
+    monkeypatch.setattr(encoders, "_metaspace_first", lambda pre: False)
+    counter = assert_counts_as_tokenizers(metaspace_model(tmp_path, "first"))
+    assert counter.encoder_description.endswith(
+        "segment splitting off (prompts encoded whole): "
+        "text next to an added token encodes differently on its own")
+
+
+def test_metaspace_prepend_always_keeps_splitting(tmp_path: Path) -> None:
+    """`prepend_scheme: "always"` marks every segment alike: additive, so it splits."""
+    counter = assert_counts_as_tokenizers(metaspace_model(tmp_path, "always"))
+    assert isinstance(counter._encoder, HFEncoder)
+    assert counter._encoder.splitter is not None
+    assert "segment splitting off" not in counter.encoder_description
+
+
+@pytest.mark.parametrize("name", ["qwen3-14b", "gpt-oss-20b", "deepseek-v3", "gemma-3-12b-it"])
+def test_bundled_models_pass_the_additivity_probe(name: str) -> None:
+    counter = counter_for(name)
+    assert "segment splitting off" not in counter.encoder_description
+    encoder = counter._encoder
+    reference = encoder._ref if isinstance(encoder, ByteLevelBPEEncoder) else encoder
+    assert isinstance(reference, HFEncoder) and reference.splitter is not None
+
+
+# ------------------------------------------------------------------ added-token splitting
+
+
+def alternation_split(tokens: dict[str, int], text: str) -> list[str | int]:
+    """The splitter as it was: one alternation of every token, longest first."""
+    pattern = re.compile("|".join(map(re.escape, sorted(tokens, key=lambda t: (-len(t), t)))))
+    out: list[str | int] = []
+    pos = 0
+    for m in pattern.finditer(text):
+        if m.start() > pos:
+            out.append(text[pos:m.start()])
+        out.append(tokens[m.group()])
+        pos = m.end()
+    if pos < len(text):
+        out.append(text[pos:])
+    return out
+
+
+@functools.cache
+def added_tokens(name: str) -> dict[str, int]:
+    data = json.loads((MODELS / name / "tokenizer.json").read_text())
+    tokens = hf_added_tokens(data)
+    assert tokens
+    return tokens
+
+
+SPLIT_MODELS = ["deepseek-v3", "qwen3-14b", "gpt-oss-20b", "gemma-3-12b-it"]
+
+
+def near_token_text(rng: random.Random, tokens: list[str]) -> str:
+    """Whole tokens, their prefixes and suffixes, characters they use, and words."""
+    alphabet = sorted({ch for t in tokens for ch in t})
+    parts = []
+    for _ in range(rng.randint(0, 30)):
+        token = rng.choice(tokens)
+        kind = rng.randrange(6)
+        if kind == 0:
+            parts.append(token)
+        elif kind == 1:
+            parts.append(token[:rng.randint(1, len(token))])
+        elif kind == 2:
+            parts.append(token[rng.randint(0, len(token) - 1):])
+        elif kind == 3:
+            parts.append("".join(rng.choices(alphabet, k=rng.randint(1, 6))))
+        elif kind == 4:
+            parts.append(rng.choice(["<div>", " ", "\n", "hello", "<", "|", "｜", "<|", "▁"]))
+        else:
+            other = rng.choice(tokens)
+            parts.append(token[:rng.randint(0, len(token))] + other[rng.randint(0, len(other)):])
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("name", SPLIT_MODELS)
+def test_splitter_splits_as_the_longest_first_alternation(name: str) -> None:
+    tokens = added_tokens(name)
+    splitter = SpecialSplitter(tokens)
+    rng = random.Random(name)
+    ordered = sorted(tokens)
+    sample = rng.sample(ordered, min(300, len(ordered)))
+    texts = [near_token_text(rng, ordered) for _ in range(1000)] + sample + [
+        "".join(sample), "<div>hello</div>\n" * 100]
+    mismatches = [ascii(t) for t in texts if splitter.split(t) != alternation_split(tokens, t)]
+    assert mismatches == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_splitter_splits_as_the_alternation_on_fuzzed_text(data: st.DataObject) -> None:
+    name = data.draw(st.sampled_from(SPLIT_MODELS))
+    tokens = added_tokens(name)
+    ordered = sorted(tokens)
+    piece = st.one_of(
+        st.sampled_from(ordered),
+        st.builds(lambda t, k: t[:k], st.sampled_from(ordered), st.integers(1, 40)),
+        st.builds(lambda t, k: t[k:], st.sampled_from(ordered), st.integers(0, 40)),
+        st.text(alphabet=sorted({ch for t in ordered for ch in t}), max_size=6),
+        st.text(max_size=4),
+    )
+    text = data.draw(st.lists(piece, max_size=25).map("".join))
+    assert SpecialSplitter(tokens).split(text) == alternation_split(tokens, text)
+
+
+def test_splitter_matches_tokenizers_on_its_added_tokens() -> None:
+    """Both agree with `tokenizers` itself, which finds added tokens leftmost-longest."""
+    encoder = counter_for("qwen3-14b")._encoder
+    assert isinstance(encoder, ByteLevelBPEEncoder)
+    tokens = added_tokens("qwen3-14b")
+    rng = random.Random(7)
+    for _ in range(300):
+        text = near_token_text(rng, sorted(tokens))
+        ids = encoder._ref.encode_rendered(text)
+        split = encoder.split_rendered(text)
+        assert [p for p in split if isinstance(p, int)] == [i for i in ids if i in
+                                                            tokens.values()], ascii(text)
 
 
 # ------------------------------------------------------------------ structure
@@ -434,3 +636,33 @@ def test_async_count_agrees_inline_and_in_the_pool() -> None:
     expected = [counter_for("qwen3-14b", cache_bytes=0).count_chat(c)
                 for c in (short, long, many)]
     assert asyncio.run(counts()) == expected
+
+
+def test_long_rendered_prompt_is_split_in_the_pool_even_when_cached(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Splitting a prompt of megabytes would hold the loop: past INLINE_RENDERED_CHARS
+    the whole count (split and cache lookups too) runs in the pool, cached or not."""
+    counter = counter_for("qwen3-14b")
+    segments = counter._segments
+    threads: list[str] = []
+    real_plan = segments.plan
+
+    def plan(text: str) -> tuple[int, list[str]]:
+        threads.append(threading.current_thread().name)
+        return real_plan(text)
+
+    monkeypatch.setattr(segments, "plan", plan)
+    long = ChatRequest(messages=[
+        {"role": "system", "content": "shared context " * (INLINE_RENDERED_CHARS // 14)},
+        {"role": "user", "content": "ok?"}])
+    short = ChatRequest(messages=[{"role": "user", "content": "hello there"}])
+    expected = [counter_for("qwen3-14b", cache_bytes=0).count_chat(c) for c in (long, short)]
+
+    async def counts() -> list[int]:
+        return [await counter.count_chat_async(c) for c in (long, long, short)]
+
+    assert asyncio.run(counts()) == [expected[0], expected[0], expected[1]]
+    stats = counter.cache_stats()
+    assert stats is not None and stats.hits >= 1  # the second long count was cached
+    assert [t.startswith("kvgate-count") for t in threads] == [True, True, False]

@@ -370,7 +370,7 @@ def try_fast(path: Path, tokenizer_json: Mapping[str, Any],
     if not fast_bpe_enabled():
         return None, f"{ENV_SWITCH}=0"
     if reference.splitter is None:
-        return None, "added tokens cannot be split out exactly"
+        return None, "it needs segment splitting"
     built = _core_for(path, tokenizer_json, reference, reference.added_tokens)
     if isinstance(built, str):
         return None, built

@@ -2,16 +2,18 @@
 
 Chats re-send their whole history every turn and many share one system prompt, so
 most of a rendered prompt has been counted before. A rendered prompt is split on
-the tokenizer's added/special tokens (`<|im_start|>`, `<|im_end|>`...); the engine's
-tokenizer encodes each segment between them on its own, so
+the tokenizer's added/special tokens (`<|im_start|>`, `<|im_end|>`...); where the
+engine's tokenizer encodes each segment between them on its own,
 
     count(text) = sum(count(segment)) + number of special tokens
 
-and a segment's count can be remembered. That additivity is proven per tokenizer
-(`tokenizers` splits on added tokens before anything else, tiktoken on its specials;
-the tests check it against transformers on the whole corpus). Only segments of at
-least `MIN_CACHED_CHARS` are cached: short ones ("\\n", "assistant\\n") are cheaper
-to encode than to remember.
+and a segment's count can be remembered. That additivity is not universal: a
+`Metaspace` pre-tokenizer with `prepend_scheme: "first"` marks only the text at
+offset 0 of the whole input. So `HFEncoder` checks it when it loads (by structure
+and on probe strings, `proxy.tokenize.encoders`) and, where it fails, does not split:
+the whole prompt is one segment. The tests check counts against transformers on the
+whole corpus. Only segments of at least `MIN_CACHED_CHARS` are cached: short ones
+("\\n", "assistant\\n") are cheaper to encode than to remember.
 
 Memory is bounded by an LRU over the segments' sizes in bytes.
 """

@@ -2,9 +2,14 @@
 
 Every encoder also splits rendered text on its added/special tokens
 (`split_rendered`) and encodes the plain text between them (`encode_segment`).
-The engine's tokenizer encodes those segments independently of each other, so a
-count is the sum over segments plus one per special token; that is what lets the
-count cache (`proxy.tokenize.cache`) reuse a segment it has seen before. The fast
+Where the engine's tokenizer encodes those segments independently of each other,
+a count is the sum over segments plus one per special token; that is what lets the
+count cache (`proxy.tokenize.cache`) reuse a segment it has seen before. Not every
+`tokenizer.json` is additive: a `Metaspace` pre-tokenizer with `prepend_scheme:
+"first"` (Mistral v0.3, non-legacy Llama 2 conversions) prepends "▁" only to the
+text at offset 0 of the whole input, so a segment after an added token encodes
+differently on its own. `HFEncoder` checks additivity when it loads (by structure
+and on probe strings) and otherwise encodes the rendered text whole. The fast
 exact byte-level BPE encoder is in `proxy.tokenize.bytelevel`.
 """
 
@@ -19,21 +24,53 @@ from typing import Any
 
 from proxy.tokenize.base import TokenizerLoadError
 
-__all__ = ["HFEncoder", "SpecialSplitter", "TiktokenEncoder"]
+__all__ = ["TIKTOKEN_NAMES", "HFEncoder", "SpecialSplitter", "TiktokenEncoder", "rank_file_name"]
+
+
+def _trie_pattern(tokens: list[str]) -> str:
+    """A regex matching exactly `tokens`, built from their prefix trie.
+
+    At each position the regex follows the one branch whose next character fits,
+    preferring the longer continuation (greedy `(?:...)?`) and backing off to a
+    token that ends earlier: the longest token that starts there, as a longest-first
+    alternation matches, but without trying every token at every position (818
+    alternatives for DeepSeek V3). Chains with one child and no token ending in
+    them are written as one literal.
+    """
+    trie: dict[str, Any] = {}
+    for token in tokens:
+        node = trie
+        for ch in token:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a token ends here
+
+    def emit(node: dict[str, Any]) -> str:
+        alts: list[str] = []
+        for ch in sorted(k for k in node if k):
+            literal, child = ch, node[ch]
+            while "" not in child and len(child) == 1:
+                ((nxt, child),) = child.items()
+                literal += nxt
+            alts.append(re.escape(literal) + emit(child))
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else f"(?:{'|'.join(alts)})"
+        return f"(?:{body})?" if "" in node else body
+
+    return emit(trie)
 
 
 class SpecialSplitter:
     """Finds added tokens in text as `tokenizers` does: leftmost, then longest.
 
-    `tokenizers` matches added tokens with Aho-Corasick, leftmost-longest; a regex
-    alternation tries its alternatives in order at the leftmost position, so listing
-    longer tokens first gives the same match ("<|im_start|>" before "<|im").
+    `tokenizers` matches added tokens with Aho-Corasick, leftmost-longest: the
+    regex scans for the leftmost position where a token starts and takes the
+    longest token there ("<|im_start|>" before "<|im"), then goes on after it.
     """
 
     def __init__(self, tokens: Mapping[str, int]) -> None:
-        self._ids = dict(tokens)
-        ordered = sorted(self._ids, key=lambda t: (-len(t), t))
-        self._re = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        self._ids = {t: i for t, i in tokens.items() if t}
+        self._re = re.compile(_trie_pattern(list(self._ids))) if self._ids else None
 
     def split(self, text: str) -> list[str | int]:
         """Plain-text segments (non-empty `str`) and special token ids (`int`), in order."""
@@ -74,6 +111,34 @@ def hf_added_tokens(tokenizer_json: Mapping[str, Any]) -> dict[str, int] | None:
     return out
 
 
+def _metaspace_first(pre: Any) -> bool:
+    """A `Metaspace` pre-tokenizer (alone or in a `Sequence`) that prepends "▁" only
+    at offset 0 of the whole text: segments between added tokens are not independent."""
+    if not isinstance(pre, Mapping):
+        return False
+    if pre.get("type") == "Sequence":
+        return any(_metaspace_first(p) for p in pre.get("pretokenizers") or [])
+    return pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first"
+
+
+# Neighbours an added token is probed next to: words, spaces, newlines, the start
+# and end of the text, and another added token.
+_ADDITIVITY_CONTEXTS: tuple[str, ...] = (
+    "{t}hello world{t}the quick brown fox{t}",
+    "hello{t} world {t}  x\n{t}\ny\n\n{t}\n\nz",
+    " {t} {t}{t}\t{t}end",
+    "a{t}b 1{t}2 ▁{t}▁ 東京{t}é",
+)
+_ADDITIVITY_TOKENS = 8  # added tokens probed, spread over the table
+
+
+def _added_token_probes(tokens: Mapping[str, int]) -> list[str]:
+    by_id = sorted(tokens, key=lambda t: (tokens[t], t))
+    step = max(1, len(by_id) // _ADDITIVITY_TOKENS)
+    picked = by_id[::step][:_ADDITIVITY_TOKENS]
+    return [ctx.format(t=tok) for tok in picked for ctx in _ADDITIVITY_CONTEXTS]
+
+
 class HFEncoder:
     """A `tokenizers.Tokenizer` from `tokenizer.json`, with transformers' BOS rule."""
 
@@ -91,10 +156,27 @@ class HFEncoder:
         self.description = "tokenizers"
         self.fast = False
         added = hf_added_tokens(tokenizer_json) if tokenizer_json is not None else None
-        # Without the token table (or with stripping added tokens) the text is one
-        # segment: counts stay exact, only the cache has less to reuse.
+        # Without the token table (or with stripping added tokens, or a tokenizer
+        # whose segments are not independent) the text is one segment: counts stay
+        # exact, only the cache has nothing to reuse.
         self.added_tokens = added
-        self.splitter = SpecialSplitter(added) if added is not None else None
+        self.splitter: SpecialSplitter | None = None
+        self.split_off: str | None = None  # why segment splitting is off, when it is
+        if tokenizer_json is None:
+            self.split_off = "no tokenizer.json table of added tokens"
+        elif added is None:
+            self.split_off = ("an added token strips whitespace, is single-word, "
+                              "or is matched normalized")
+        elif _metaspace_first(tokenizer_json.get("pre_tokenizer")):
+            self.split_off = (
+                "the Metaspace pre-tokenizer prepends '▁' only at the start of the whole "
+                "text (prepend_scheme 'first')")
+        else:
+            splitter = SpecialSplitter(added)
+            if added and not self._additive(splitter, _added_token_probes(added)):
+                self.split_off = "text next to an added token encodes differently on its own"
+            else:
+                self.splitter = splitter
         # transformers' Llama-style fast tokenizers rebuild the post-processor from
         # `add_bos_token` (DeepSeek V3's tokenizer.json adds none, its config says True).
         self.force_bos: int | None = None
@@ -108,9 +190,22 @@ class HFEncoder:
             ids.insert(0, bos)
         return ids
 
+    def _additive(self, splitter: SpecialSplitter, probes: list[str]) -> bool:
+        """Whether encoding each probe whole gives the ids of its segments in turn."""
+        for text in probes:
+            ids: list[int] = []
+            for part in splitter.split(text):
+                if isinstance(part, int):
+                    ids.append(part)
+                else:
+                    ids += self.encode_segment(part)
+            if ids != self.encode_rendered(text):
+                return False
+        return True
+
     def encode_rendered(self, text: str) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
-        return ids
+        # `tokenizers` splits added tokens out itself: the same call as a segment's.
+        return self.encode_segment(text)
 
     def encode_segment(self, text: str) -> list[int]:
         """Text with no added token in it: one segment of `split_rendered`."""
@@ -133,6 +228,16 @@ class HFEncoder:
 
 
 _tiktoken_lock = threading.Lock()
+
+# The tiktoken encodings a model directory is searched for, in this order.
+TIKTOKEN_NAMES = ("cl100k_base", "o200k_base", "o200k_harmony", "r50k_base", "p50k_base")
+# Encodings whose ranks are another's file (they add only special tokens).
+_RANK_FILES = {"o200k_harmony": "o200k_base", "p50k_edit": "p50k_base"}
+
+
+def rank_file_name(encoding: str) -> str:
+    """The `<name>.tiktoken` rank file an encoding reads."""
+    return _RANK_FILES.get(encoding, encoding)
 
 
 def _special_ids(enc: Any) -> dict[str, int]:
@@ -199,17 +304,10 @@ class TiktokenEncoder:
 
         import tiktoken
 
-        urls = {
-            "cl100k_base": "cl100k_base",
-            "o200k_base": "o200k_base",
-            "o200k_harmony": "o200k_base",
-            "r50k_base": "r50k_base",
-            "p50k_base": "p50k_base",
-            "p50k_edit": "p50k_base",
-        }
-        if name not in urls:
+        rank_name = rank_file_name(name)
+        if rank_name not in TIKTOKEN_NAMES:  # gpt2 reads other files
             raise TokenizerLoadError(f"tiktoken encoding {name!r} needs a local rank file")
-        url = f"https://openaipublic.blob.core.windows.net/encodings/{urls[name]}.tiktoken"
+        url = f"https://openaipublic.blob.core.windows.net/encodings/{rank_name}.tiktoken"
         cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
         cache = Path(cache_dir or Path(tempfile.gettempdir()) / "data-gym-cache")
         cached = cache / hashlib.sha1(url.encode()).hexdigest()

@@ -8,16 +8,10 @@ from proxy.tokenize.base import Encoder, PromptCounter, TokenizerLoadError
 from proxy.tokenize.bytelevel import try_fast
 from proxy.tokenize.cache import DEFAULT_CACHE_BYTES
 from proxy.tokenize.counting import MistralTokenCounter, TokenCounter
-from proxy.tokenize.encoders import HFEncoder, TiktokenEncoder
+from proxy.tokenize.encoders import TIKTOKEN_NAMES, HFEncoder, TiktokenEncoder, rank_file_name
 from proxy.tokenize.templates import read_chat_template, read_json, special_token_text
 
 __all__ = ["load_counter"]
-
-
-_TIKTOKEN_NAMES = ("cl100k_base", "o200k_base", "o200k_harmony", "r50k_base", "p50k_base")
-
-
-_RANK_FILES = {"o200k_harmony": "o200k_base", "p50k_edit": "p50k_base"}
 
 
 def load_counter(
@@ -75,12 +69,15 @@ def load_counter(
         encoder: Encoder = fast if fast is not None else reference
         if fast is None:
             reference.description = f"tokenizers (fast path off: {why})"
+        if reference.split_off is not None:
+            reference.description += (
+                f"; segment splitting off (prompts encoded whole): {reference.split_off}")
         return TokenCounter(
             name=label, encoder=encoder, chat_template=template, special_tokens=special,
             cache_bytes=cache_bytes,
         )
-    for candidate in (encoding,) if encoding else _TIKTOKEN_NAMES:
-        rank_file = path / f"{_RANK_FILES.get(candidate, candidate)}.tiktoken"
+    for candidate in (encoding,) if encoding else TIKTOKEN_NAMES:
+        rank_file = path / f"{rank_file_name(candidate)}.tiktoken"
         if rank_file.is_file():
             return TokenCounter(
                 name=label,
