@@ -12,7 +12,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2 import nodes
-from jinja2.runtime import new_context
+from jinja2.runtime import LoopContext, new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from proxy.tokenize.base import TokenizerLoadError
@@ -91,8 +91,46 @@ class ChatTemplate:
         return rendered
 
 
+# What `getattr` finds on a plain dict or str without reading its items: the
+# attributes of the type itself (an instance of either has no `__dict__`).
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+_STR_FORMATTERS = frozenset({"format", "format_map"})
+_PLAIN_TYPES = frozenset({str, LoopContext, _SafeNamespace})
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox with a short way through the commonest lookups.
+
+    Chat templates read `message.role` and `message.content` on plain dicts, call
+    methods such as `content.strip()` on plain strings, and read `loop.first` and
+    `ns.flag`. The sandbox's general `getattr` tries the attribute first, so every
+    `message.role` raises and catches an AttributeError before reading the item,
+    and every other lookup passes the safety checks (a chain of isinstance tests)
+    one by one: a fifth to a third of a short chat's render time. For exactly these
+    types the general path's answer is known in advance (a dict attribute that is
+    not a dict method is its item; the public attributes of a string, a loop and a
+    template namespace are safe, the string's format pair aside), so it is given
+    directly; everything else, `str.format` included, takes the sandbox's own path.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        if (kind in _PLAIN_TYPES and not attribute.startswith("_")
+                and (kind is not str or attribute not in _STR_FORMATTERS)):
+            try:
+                return getattr(obj, attribute)
+            except AttributeError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
