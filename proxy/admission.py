@@ -266,11 +266,8 @@ class AdmissionController:
                 param="max_tokens",
             )
         if not self._waiters:
-            lease = await self._try_place(demand)
+            lease = await self._admit_now(demand)
             if lease is not None:
-                self._ordering.on_admit(WaiterView(
-                    seq=next(self._seq), arrival=loop.time(), demand_tokens=demand.tokens,
-                    priority=demand.priority, tenant=demand.tenant), loop.time())
                 return lease
         if len(self._waiters) >= self._max_depth:
             raise QueueFull(
@@ -313,6 +310,22 @@ class AdmissionController:
                 and fut.exception() is None
             ):
                 fut.result().release()  # a grant raced the cancel or the deadline
+
+    async def try_acquire(self, demand: Demand) -> Lease | None:
+        """A lease at once if nobody waits and a healthy backend has room, else None;
+        never queues and never refuses (the caller goes on to `acquire`)."""
+        if self._waiters or demand.tokens > self.max_capacity_tokens:
+            return None
+        return await self._admit_now(demand)
+
+    async def _admit_now(self, demand: Demand) -> Lease | None:
+        lease = await self._try_place(demand)
+        if lease is not None:
+            now = asyncio.get_running_loop().time()
+            self._ordering.on_admit(WaiterView(
+                seq=next(self._seq), arrival=now, demand_tokens=demand.tokens,
+                priority=demand.priority, tenant=demand.tenant), now)
+        return lease
 
     # ------------------------------------------------------------------ placing
     async def _try_place(self, demand: Demand) -> Lease | None:

@@ -51,6 +51,8 @@ class ServerConfig:
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
     count_workers: int = 0
+    # Admit on an upper bound of the prompt while nothing waits, exact count after.
+    admit_on_bound: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,7 +186,7 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
     w = "server."
     _check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
                        "upstream_connect_timeout_s", "upstream_read_timeout_s",
-                       "count_workers"}, w)
+                       "count_workers", "admit_on_bound"}, w)
     listen = _str(data, "listen", w, "127.0.0.1:8080")
     host, sep, port_text = listen.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
@@ -205,7 +207,15 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
         upstream_connect_timeout_s=_num(data, "upstream_connect_timeout_s", w, 5.0, minimum=0.1),
         upstream_read_timeout_s=_num(data, "upstream_read_timeout_s", w, 600.0, minimum=0.1),
         count_workers=_int(data, "count_workers", w, 0, minimum=0),
+        admit_on_bound=_flag(data, "admit_on_bound", w, True),
     )
+
+
+def _flag(data: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"`{where}{key}` must be true or false. Given: {value!r}")
+    return value
 
 
 def _queue(data: Mapping[str, Any]) -> QueueConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -98,11 +98,16 @@ async def forward(
     url: str,
     api_key: str | None,
     body: bytes,
-    extra_headers: Mapping[str, str],
+    reply_headers: Callable[[], Awaitable[Mapping[str, str]]],
     result: ForwardResult,
     on_chunk: Callable[[bytes], None] | None = None,
 ) -> web.StreamResponse:
-    """Send `body` to `url` and stream the answer; raises UpstreamError before the first byte."""
+    """Send `body` to `url` and stream the answer; raises UpstreamError before the first byte.
+
+    `reply_headers` is awaited once the backend's answer has begun, just before the
+    reply's headers leave: a request admitted on a bound of its prompt finishes its
+    exact count meanwhile, and the headers report that count.
+    """
     started = time.perf_counter()
     headers = _request_headers(request.headers, api_key)
     with map_upstream_errors(backend_name):
@@ -113,7 +118,7 @@ async def forward(
         for key, value in upstream.headers.items():
             if key.lower() not in HOP_BY_HOP:
                 response.headers.add(key, value)
-        response.headers.update(extra_headers)
+        response.headers.update(await reply_headers())
         length = upstream.content_length
         if length is not None and upstream.headers.get("Transfer-Encoding") is None:
             # The body passes byte for byte (no decompression), so the backend's length

@@ -54,6 +54,9 @@ class Metrics:
                                  ["model"], buckets=_TOKEN_BUCKETS, registry=r)
         self._reserved = Histogram("kvgate_reserved_tokens", "Reserved tokens per request",
                                    ["model"], buckets=_TOKEN_BUCKETS, registry=r)
+        self._on_bound = Counter(
+            "kvgate_bound_admissions", "Requests admitted on an upper bound of their prompt "
+            "while nothing waited (exact count after)", ["model"], registry=r)
         self._tokenize = Histogram("kvgate_tokenize_seconds", "Time to count prompt tokens",
                                    buckets=_WAIT_BUCKETS, registry=r)
         self._first_byte = Histogram("kvgate_upstream_first_byte_seconds",
@@ -156,6 +159,9 @@ class Metrics:
     def admitted(self, model: str, *, reserved_tokens: int, waited_s: float) -> None:
         self._child(self._reserved, model).observe(reserved_tokens)
         self._child(self._queue_wait, model).observe(waited_s)
+
+    def admitted_on_bound(self, model: str) -> None:
+        self._child(self._on_bound, model).inc()
 
     def first_byte(self, backend: str, seconds: float) -> None:
         self._child(self._first_byte, backend).observe(seconds)

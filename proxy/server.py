@@ -54,7 +54,7 @@ from proxy.reservation import (
     apply_engine_report,
     follow_adaptively,
 )
-from proxy.tokenize import PromptCounter, TemplateError, load_counter
+from proxy.tokenize import PromptCounter, RenderedChat, TemplateError, load_counter
 from proxy.tokenize.cache import CacheStats
 from proxy.validation import Endpoint, ValidRequest, validate
 
@@ -324,13 +324,7 @@ async def _count(
                 counts = [await model.counter.count_prompt_async(p) for p in req.prompts]
     except TemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
-    for i, tokens in enumerate(counts):
-        if tokens == 0:  # vLLM refuses an empty decoder prompt; it must not reach it
-            where = "prompt" if len(counts) == 1 else f"prompt[{i}]"
-            raise InvalidRequest(
-                f"`{where}` is empty: 0 tokens after tokenization, and an engine cannot "
-                "generate from an empty prompt", param=where)
-    return counts
+    return _nonempty(counts)
 
 
 def _demand(
@@ -412,6 +406,147 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             }))
 
 
+@dataclass(slots=True)
+class _LateCount:
+    """A request admitted on an upper bound of its prompt while nothing waited: its
+    exact count runs while the backend starts on the request, and `settle` puts the
+    exact figures in the lease, the tracker and the headers before the reply leaves."""
+
+    task: asyncio.Task[tuple[int, float]]
+    resize: asyncio.Task[int] | None = None
+    settled: bool = False
+
+
+@dataclass(slots=True)
+class _Admitted:
+    lease: Lease
+    demand: Demand
+    set_to: int | None
+    late: _LateCount | None = None
+
+
+def _nonempty(counts: list[int]) -> list[int]:
+    for i, tokens in enumerate(counts):
+        if tokens == 0:  # vLLM refuses an empty decoder prompt; it must not reach it
+            where = "prompt" if len(counts) == 1 else f"prompt[{i}]"
+            raise InvalidRequest(
+                f"`{where}` is empty: 0 tokens after tokenization, and an engine cannot "
+                "generate from an empty prompt", param=where)
+    return counts
+
+
+async def _count_rendered(model: ModelRuntime, rendered: RenderedChat) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    tokens = await model.counter.count_rendered_async(rendered)
+    return tokens, time.perf_counter() - t0
+
+
+async def _admit_on_bound(
+    request: web.Request, state: ProxyState, model: ModelRuntime, req: ValidRequest,
+    rendered: RenderedChat, bound: int, trace: _Trace,
+) -> _Admitted | None:
+    """Admit at once on `bound` (>= the exact prompt count) where that needs no exact
+    figure: the client set max_tokens, so the output decision does not depend on the
+    prompt; prompt <= bound, so the context check passes for the exact count too; and
+    the controller has room now with nobody waiting. Else None: the caller counts first.
+    """
+    try:
+        demand, set_to = _demand(model, req, [bound], request, state)
+    except ContextLengthExceeded:
+        return None  # only the exact count can say
+    lease = await model.controller.try_acquire(demand)
+    if lease is None:
+        return None
+    trace.reserved_tokens = demand.tokens
+    state.metrics.admitted_on_bound(model.config.name)
+    task = asyncio.get_running_loop().create_task(_count_rendered(model, rendered))
+    return _Admitted(lease, demand, set_to, _LateCount(task))
+
+
+async def _admit(
+    request: web.Request, state: ProxyState, model: ModelRuntime, req: ValidRequest,
+    raw: bytes, trace: _Trace,
+) -> _Admitted:
+    """Count, decide the output budget, and hold a lease: at once on a bound, or after
+    the exact count (queueing if needed), or an error."""
+    t0 = time.perf_counter()
+    rendered: RenderedChat | None = None
+    if req.chat is not None and state.count_workers is None:
+        try:
+            rendered = model.counter.render_for_count(req.chat)
+        except TemplateError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+    if (rendered is not None and rendered.max_tokens and req.max_tokens is not None
+            and state.config.server.admit_on_bound):
+        early = await _admit_on_bound(request, state, model, req, rendered,
+                                      rendered.max_tokens, trace)
+        if early is not None:
+            return early
+    if rendered is not None:
+        prompts = _nonempty([await model.counter.count_rendered_async(rendered)])
+    else:
+        prompts = await _count(state, model, req, raw)
+    trace.prompt_tokens = sum(prompts)
+    state.metrics.counted(model.config.name, prompt_tokens=trace.prompt_tokens,
+                          seconds=time.perf_counter() - t0)
+    demand, set_to = _demand(model, req, prompts, request, state)
+    trace.reserved_tokens = demand.tokens
+    deadline = _deadline(request, state)
+    controller = model.controller
+    queued_at = asyncio.get_running_loop().time()
+    try:
+        lease = await controller.acquire(demand, deadline)
+    except asyncio.CancelledError:
+        trace.outcome = Outcome.CLIENT_DISCONNECT
+        raise
+    finally:
+        trace.queue_wait_ms = (asyncio.get_running_loop().time() - queued_at) * 1000
+        state.metrics.queue_depth(model.config.name, controller.queue_depth)
+    state.metrics.admitted(model.config.name, reserved_tokens=demand.tokens,
+                           waited_s=trace.queue_wait_ms / 1000)
+    return _Admitted(lease, demand, set_to)
+
+
+async def _settle(
+    request: web.Request, state: ProxyState, model: ModelRuntime, req: ValidRequest,
+    admitted: _Admitted, progress: Progress | None, trace: _Trace,
+) -> None:
+    """The exact count of a request admitted on a bound: into the headers, the metrics
+    and the tracker; the lease shrinks to it without holding up the reply."""
+    late = admitted.late
+    assert late is not None
+    late.settled = True
+    tokens, seconds = await late.task
+    prompts = _nonempty([tokens])
+    trace.prompt_tokens = tokens
+    state.metrics.counted(model.config.name, prompt_tokens=tokens, seconds=seconds)
+    demand, _ = _demand(model, req, prompts, request, state)  # prompt <= bound: it fits
+    trace.reserved_tokens = demand.tokens
+    state.metrics.admitted(model.config.name, reserved_tokens=demand.tokens, waited_s=0.0)
+    if progress is not None:
+        progress.prompt_tokens = tokens
+    lease = admitted.lease
+    if demand.tokens != lease.tokens:
+        late.resize = asyncio.ensure_future(model.controller.resize(lease, demand.tokens))
+        late.resize.add_done_callback(_log_failure)
+
+
+def _log_failure(task: asyncio.Task[int]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("a lease's resize to its exact count failed: %s", exc)
+
+
+def _close_late(late: _LateCount, trace: _Trace) -> None:
+    """The reply never began (upstream error, client gone): stop the count, or keep
+    what it found for the log line."""
+    if late.settled:
+        return
+    if not late.task.done():
+        late.task.cancel()
+    elif not late.task.cancelled() and late.task.exception() is None:
+        trace.prompt_tokens = late.task.result()[0]
+
+
 async def _serve(
     request: web.Request, endpoint: Endpoint, state: ProxyState, trace: _Trace
 ) -> web.StreamResponse:
@@ -424,25 +559,9 @@ async def _serve(
             param="model",
         )
     trace.model = model.config.name
-    t0 = time.perf_counter()
-    prompts = await _count(state, model, req, raw)
-    trace.prompt_tokens = sum(prompts)
-    state.metrics.counted(model.config.name, prompt_tokens=trace.prompt_tokens,
-                          seconds=time.perf_counter() - t0)
-    demand, set_to = _demand(model, req, prompts, request, state)
-    trace.reserved_tokens = demand.tokens
+    admitted = await _admit(request, state, model, req, raw, trace)
+    lease, demand, set_to = admitted.lease, admitted.demand, admitted.set_to
     trace.output_cap = set_to
-    deadline = _deadline(request, state)
-    controller = model.controller
-    queued_at = asyncio.get_running_loop().time()
-    try:
-        lease = await controller.acquire(demand, deadline)
-    except asyncio.CancelledError:
-        trace.outcome = Outcome.CLIENT_DISCONNECT
-        raise
-    finally:
-        trace.queue_wait_ms = (asyncio.get_running_loop().time() - queued_at) * 1000
-        state.metrics.queue_depth(model.config.name, controller.queue_depth)
     loop = asyncio.get_running_loop()
     progress: Progress | None = None
     result = ForwardResult()
@@ -456,18 +575,22 @@ async def _serve(
             )
             model.tracker.track(progress)
         trace.backend = lease.backend.name
-        state.metrics.admitted(model.config.name, reserved_tokens=demand.tokens,
-                               waited_s=trace.queue_wait_ms / 1000)
         body = raw
         if set_to is not None:
             body = req.with_max_tokens(set_to)
         path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/completions"
         assert state.session is not None
+
+        async def reply_headers() -> dict[str, str]:
+            if admitted.late is not None:
+                await _settle(request, state, model, req, admitted, progress, trace)
+            return trace.headers()
+
         try:
             response = await forward(
                 session=state.session, request=request, backend_name=lease.backend.name,
                 url=lease.backend.url + path, api_key=lease.backend.api_key, body=body,
-                extra_headers=trace.headers(), result=result,
+                reply_headers=reply_headers, result=result,
                 on_chunk=None if progress is None else progress.feed,
             )
         except KvgateError:
@@ -483,6 +606,8 @@ async def _serve(
         return response
     finally:
         try:
+            if admitted.late is not None:
+                _close_late(admitted.late, trace)
             if progress is not None and model.tracker is not None:
                 model.tracker.finish(
                     progress, loop.time(),

@@ -21,7 +21,13 @@ run from inside `proxy/`.
 """
 from __future__ import annotations
 
-from proxy.tokenize.base import ChatRequest, PromptCounter, TemplateError, TokenizerLoadError
+from proxy.tokenize.base import (
+    ChatRequest,
+    PromptCounter,
+    RenderedChat,
+    TemplateError,
+    TokenizerLoadError,
+)
 from proxy.tokenize.counting import MistralTokenCounter, TokenCounter, count_executor
 from proxy.tokenize.loading import load_counter
 
@@ -29,6 +35,7 @@ __all__ = [
     "ChatRequest",
     "MistralTokenCounter",
     "PromptCounter",
+    "RenderedChat",
     "TemplateError",
     "TokenCounter",
     "TokenizerLoadError",

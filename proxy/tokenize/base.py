@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from proxy.tokenize.cache import CacheStats
 
-__all__ = ["ChatRequest", "Encoder", "PromptCounter", "TemplateError", "TokenizerLoadError"]
+__all__ = ["ChatRequest", "Encoder", "PromptCounter", "RenderedChat", "TemplateError",
+           "TokenizerLoadError"]
 
 
 class TokenizerLoadError(ValueError):
@@ -32,6 +33,20 @@ class Encoder(Protocol):
     def split_rendered(self, text: str) -> list[str | int]: ...
     def encode_segment(self, text: str) -> list[int]: ...
     def token_id(self, token: str) -> int | None: ...
+
+    def max_rendered_tokens(self, text: str) -> int | None:
+        """A true upper bound on `len(encode_rendered(text))`, found without encoding
+        (UTF-8 bytes, where every token covers at least one byte of the text); None
+        where no such bound is proven for this tokenizer or this text."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedChat:
+    """A chat after its template, before encoding; `max_tokens` as the encoder bounds it."""
+
+    text: str
+    max_tokens: int | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +78,16 @@ class PromptCounter(Protocol):
     def count_prompt(self, prompt: str | Sequence[int]) -> int: ...
 
     async def count_chat_async(self, chat: ChatRequest) -> int: ...
+
+    def render_for_count(self, chat: ChatRequest) -> RenderedChat | None:
+        """The rendered chat and its token bound, cheaply on the event loop; None where
+        this counter renders and counts in one step or the chat is too long to render
+        inline. Raises `TemplateError` as `count_chat` would."""
+        ...
+
+    async def count_rendered_async(self, rendered: RenderedChat) -> int:
+        """Exactly `count_chat_async` of the chat `rendered` came from."""
+        ...
 
     async def count_prompt_async(self, prompt: str | Sequence[int]) -> int: ...
 

@@ -310,6 +310,15 @@ class ByteLevelBPEEncoder:
     def split_rendered(self, text: str) -> list[str | int]:
         return self.splitter.split(text)
 
+    def max_rendered_tokens(self, text: str) -> int | None:
+        """UTF-8 bytes: each byte-level token covers at least one byte of its segment and
+        each added token is one id for a text of one or more bytes. NFC may lengthen
+        non-ASCII text (U+0958 becomes two code points, 3 bytes become 6), so with an
+        NFC normalizer only ASCII text is bounded; NFC leaves ASCII unchanged."""
+        if self._normalize is None or text.isascii():
+            return len(text.encode("utf-8", "surrogatepass"))
+        return None
+
     def encode_rendered(self, text: str) -> list[int]:
         ids: list[int] = []
         for part in self.splitter.split(text):

@@ -13,7 +13,13 @@ from typing import Any
 
 import jinja2
 
-from proxy.tokenize.base import ChatRequest, Encoder, TemplateError, TokenizerLoadError
+from proxy.tokenize.base import (
+    ChatRequest,
+    Encoder,
+    RenderedChat,
+    TemplateError,
+    TokenizerLoadError,
+)
 from proxy.tokenize.cache import DEFAULT_CACHE_BYTES, CacheStats, CountCache, SegmentCounter
 from proxy.tokenize.templates import (
     ChatTemplate,
@@ -183,7 +189,18 @@ class TokenCounter(_OffLoop):
         """Short work inline, long work in the pool (see `INLINE_RENDERED_CHARS`)."""
         if len(chat.messages) > INLINE_MESSAGES:
             return await super().count_chat_async(chat)
-        rendered = self.render_chat(chat)
+        return await self._count_rendered(self.render_chat(chat))
+
+    def render_for_count(self, chat: ChatRequest) -> RenderedChat | None:
+        if len(chat.messages) > INLINE_MESSAGES:
+            return None  # rendered in the pool by `count_chat_async`
+        text = self.render_chat(chat)
+        return RenderedChat(text, self._encoder.max_rendered_tokens(text))
+
+    async def count_rendered_async(self, rendered: RenderedChat) -> int:
+        return await self._count_rendered(rendered.text)
+
+    async def _count_rendered(self, rendered: str) -> int:
         loop = asyncio.get_running_loop()
         if len(rendered) > INLINE_RENDERED_CHARS:
             return await loop.run_in_executor(count_executor(), self._segments.count, rendered)
@@ -264,6 +281,12 @@ class MistralTokenCounter(_OffLoop):
         except (MistralCommonException, ValidationError, ValueError, TypeError) as exc:
             raise TemplateError(f"Mistral request encoder rejected the request: {exc}") from exc
         return len(tokens)
+
+    def render_for_count(self, chat: ChatRequest) -> RenderedChat | None:
+        return None  # mistral-common renders and encodes in one step
+
+    async def count_rendered_async(self, rendered: RenderedChat) -> int:
+        raise TypeError("MistralTokenCounter renders nothing apart: use count_chat_async")
 
     def count_prompt(self, prompt: str | Sequence[int]) -> int:
         if isinstance(prompt, str):

@@ -217,6 +217,11 @@ class HFEncoder:
             return [text] if text else []
         return self.splitter.split(text)
 
+    def max_rendered_tokens(self, text: str) -> int | None:
+        # Normalizers and pre-tokenizers vary (SentencePiece prepends a space, NFKC
+        # may grow text): no bound is claimed, the exact count decides.
+        return None
+
     def token_id(self, token: str) -> int | None:
         tid: int | None = self._tok.token_to_id(token)
         return tid
@@ -330,6 +335,11 @@ class TiktokenEncoder:
     def encode_segment(self, text: str) -> list[int]:
         ids: list[int] = self._enc.encode_ordinary(text)
         return ids
+
+    def max_rendered_tokens(self, text: str) -> int | None:
+        # Byte-level BPE without a normalizer: each token is at least one byte of the
+        # text, and a special token's text is longer than its one id.
+        return len(text.encode("utf-8", "surrogatepass"))
 
     def split_rendered(self, text: str) -> list[str | int]:
         return self.splitter.split(text)
