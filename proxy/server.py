@@ -406,6 +406,9 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             }))
 
 
+_YIELDS_BEFORE_COUNT = 1
+
+
 @dataclass(slots=True)
 class _LateCount:
     """A request admitted on an upper bound of its prompt while nothing waited: its
@@ -436,6 +439,11 @@ def _nonempty(counts: list[int]) -> list[int]:
 
 
 async def _count_rendered(model: ModelRuntime, rendered: RenderedChat) -> tuple[int, float]:
+    # Created before the forward, so first in the loop's queue: step aside once, and
+    # aiohttp's body-writing task (created as the forward sends its headers) runs
+    # first; the request is on the wire while this counts.
+    for _ in range(_YIELDS_BEFORE_COUNT):
+        await asyncio.sleep(0)
     t0 = time.perf_counter()
     tokens = await model.counter.count_rendered_async(rendered)
     return tokens, time.perf_counter() - t0
