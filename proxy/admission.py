@@ -201,6 +201,11 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ views
     @property
+    def inflight(self) -> int:
+        """Leases this process holds for the model now."""
+        return sum(b.inflight for b in self.backends)
+
+    @property
     def queue_depth(self) -> int:
         return len(self._waiters)
 

@@ -337,6 +337,7 @@ def check_config_report(path: str) -> dict[str, object]:
             "max_model_len": m.max_model_len,
             "output_policy": str(m.output.name),
             "encoder": counter.encoder_description,
+            "admission_bound": counter.bound_description,
             "capacity_source": m.capacity_source,
             "kv_bytes_per_token": per_token,
             "full_context_sequences": (m.capacity_tokens // full_seq) if full_seq else None,
@@ -361,6 +362,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         print(f"  model {m['name']}: max_model_len {m['max_model_len']:,}, output policy "
               f"{m['output_policy']}, capacity: {m['capacity_source']}")
         print(f"    counting: {m['encoder']}")
+        print(f"    prompt bound for admission: {m['admission_bound']}")
         if m["kv_bytes_per_token"]:
             print(f"    KV cache per token {m['kv_bytes_per_token']:,} B per device; "
                   f"{m['full_context_sequences']} full-context sequences fit per backend")

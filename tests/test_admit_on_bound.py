@@ -180,6 +180,35 @@ def test_an_upstream_failure_before_the_reply_releases_a_bound_lease() -> None:
     asyncio.run(scenario())
 
 
+def test_with_requests_in_flight_the_count_comes_first() -> None:
+    """The bound only hides the count in idle loop time: from the fourth request in
+    flight on, requests are counted before admission."""
+    messages = ascii_chat(50)
+
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=16384,
+                                 engine={"decode_step_ms": 20}) as stack, \
+                aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": messages, "max_tokens": 30, "stream": True}
+            held = []
+            for _ in range(4):
+                resp = await s.post(f"{stack.url}/v1/chat/completions", json=body)
+                assert resp.status == 200
+                held.append(resp)
+            assert stack.state.models[MODEL].controller.inflight == 4
+            body["stream"] = False
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+            assert await metric(s, stack, "kvgate_bound_admissions_total") == 4.0
+            for resp in held:
+                await resp.read()
+                resp.release()
+            await settle(stack)
+
+    asyncio.run(scenario())
+
+
 def test_turned_off_every_request_is_counted_first() -> None:
     messages = ascii_chat(100)
 

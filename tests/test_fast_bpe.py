@@ -119,6 +119,10 @@ def test_check_config_names_each_models_counting_path(
     out = capsys.readouterr().out
     assert "counting: fast byte-level BPE (tiktoken core)" in out
     assert "counting: tokenizers (fast path off: normalizer 'NFKC' is not NFC)" in out
+    bounds = [line.strip() for line in out.splitlines() if "prompt bound" in line]
+    assert bounds == [
+        "prompt bound for admission: UTF-8 bytes of the rendered chat, ASCII text only (NFC)",
+        "prompt bound for admission: none (counted before admission)"]
 
 
 # ------------------------------------------------------------------ segment additivity

@@ -27,6 +27,7 @@ class Encoder(Protocol):
 
     description: str
     fast: bool
+    bound_description: str  # what `max_rendered_tokens` bounds, for `kvgate check-config`
 
     def encode_plain(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
     def encode_rendered(self, text: str) -> list[int]: ...
@@ -70,6 +71,9 @@ class PromptCounter(Protocol):
 
     @property
     def encoder_description(self) -> str: ...
+
+    @property
+    def bound_description(self) -> str: ...
 
     def cache_stats(self) -> CacheStats | None: ...
 

@@ -267,6 +267,8 @@ class ByteLevelBPEEncoder:
         self._plain_adds_tokens = plan.plain_adds_tokens
         self.splitter = splitter
         self.description = "fast byte-level BPE (tiktoken core), checked against tokenizers"
+        self.bound_description = ("UTF-8 bytes of the rendered chat"
+                                  + (", ASCII text only (NFC)" if plan.nfc else ""))
         self.fast = True
 
     def encode_segment(self, text: str) -> list[int]:

@@ -104,6 +104,11 @@ class TokenCounter(_OffLoop):
         """Which encoder counts for this model, and why (`kvgate check-config` shows it)."""
         return self._encoder.description
 
+    @property
+    def bound_description(self) -> str:
+        """What admission on a bound uses for this model (`kvgate check-config`)."""
+        return self._encoder.bound_description
+
     def cache_stats(self) -> CacheStats | None:
         cache = self._segments.cache
         return cache.stats() if cache is not None else None
@@ -247,6 +252,7 @@ class MistralTokenCounter(_OffLoop):
             raise TokenizerLoadError(f"{path} is not a usable tekken tokenizer: {exc}") from exc
 
     encoder_description = "mistral-common (tekken)"
+    bound_description = "none (counted before admission)"
 
     def cache_stats(self) -> CacheStats | None:
         return None

@@ -154,6 +154,7 @@ class HFEncoder:
 
         self._tok = Tokenizer.from_file(str(path))
         self.description = "tokenizers"
+        self.bound_description = "none (counted before admission)"
         self.fast = False
         added = hf_added_tokens(tokenizer_json) if tokenizer_json is not None else None
         # Without the token table (or with stripping added tokens, or a tokenizer
@@ -264,6 +265,7 @@ class TiktokenEncoder:
                 f"unknown tiktoken encoding {name!r}; expected one of {sorted(constructors)}"
             )
         self.description = f"tiktoken {name}"
+        self.bound_description = "UTF-8 bytes of the rendered chat"
         self.fast = True
         if rank_file is None:
             self._enc = self._from_cache(name)
