@@ -11,9 +11,11 @@ corpus and on fuzzed text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -58,6 +60,17 @@ def bound_of(stack: Stack, messages: list[dict[str, Any]]) -> int:
     rendered = stack.state.models[MODEL].counter.render_for_count(ChatRequest(messages=messages))
     assert rendered is not None and rendered.max_tokens is not None
     return rendered.max_tokens
+
+
+@contextlib.asynccontextmanager
+async def behind(chat_handler: Any) -> AsyncIterator[Stack]:
+    """kvgate in front of one hand-written backend, once it is seen healthy."""
+    async with fake_backend(chat_handler) as url, \
+            running_stack(backends=0, extra_backend_urls=[url]) as stack:
+        async with asyncio.timeout(5):
+            while not stack.state.backends()[0].healthy:
+                await asyncio.sleep(0.02)
+        yield stack
 
 
 def blocks(tokens: int) -> int:
@@ -163,12 +176,7 @@ def test_an_upstream_failure_before_the_reply_releases_a_bound_lease() -> None:
         return web.Response()
 
     async def scenario() -> None:
-        async with fake_backend(drop) as url, \
-                running_stack(backends=0, extra_backend_urls=[url]) as stack, \
-                aiohttp.ClientSession() as s:
-            async with asyncio.timeout(5):
-                while not stack.state.backends()[0].healthy:
-                    await asyncio.sleep(0.02)
+        async with behind(drop) as stack, aiohttp.ClientSession() as s:
             body = {"model": MODEL, "messages": ascii_chat(50), "max_tokens": 10}
             async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 502
@@ -330,12 +338,7 @@ def test_a_json_body_reaches_the_backend_unchanged_when_admitted_on_a_bound() ->
                       "temperature": 0.5}).encode()
 
     async def scenario() -> None:
-        async with fake_backend(echo) as url, \
-                running_stack(backends=0, extra_backend_urls=[url]) as stack, \
-                aiohttp.ClientSession() as s:
-            async with asyncio.timeout(5):
-                while not stack.state.backends()[0].healthy:
-                    await asyncio.sleep(0.02)
+        async with behind(echo) as stack, aiohttp.ClientSession() as s:
             async with s.post(f"{stack.url}/v1/chat/completions", data=raw,
                               headers={"Content-Type": "application/json"}) as resp:
                 assert resp.status == 200
