@@ -241,9 +241,7 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
         raise ConfigError(
             f"`queue.priority_by_api_key` must map API keys to one of {list(PRIORITY_CLASSES)}"
         )
-    trust = data.get("trust_tenant_header", False)
-    if not isinstance(trust, bool):
-        raise ConfigError(f"`queue.trust_tenant_header` must be true or false. Given: {trust!r}")
+    trust = _flag(data, "trust_tenant_header", w, False)
     half_life = _num(data, "fair_share_half_life_s", w, 60.0, minimum=0.0)
     if half_life <= 0:
         raise ConfigError(f"`queue.fair_share_half_life_s` must be > 0. Given: {half_life}")
@@ -321,9 +319,7 @@ def _deployment(
             config_len = max_model_len_from_hf_config(raw)
         except (OSError, json.JSONDecodeError, ValueError) as exc:
             raise ConfigError(f"`{w}model_config` ({config_path}): {exc}") from exc
-    from_backend = data.get("capacity_from_backend", False)
-    if not isinstance(from_backend, bool):
-        raise ConfigError(f"`{w}capacity_from_backend` must be true or false")
+    from_backend = _flag(data, "capacity_from_backend", w, False)
     if from_backend and "kv_tokens" not in data and "usable_memory" not in data:
         # Nothing is admitted to a backend until its /metrics has given its capacity.
         return deployment, block_size, 0, "backend metrics (vllm:cache_config_info)", config_len

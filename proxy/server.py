@@ -410,7 +410,6 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             }))
 
 
-_YIELDS_BEFORE_COUNT = 1
 # Admission on a bound pays only where the event loop has idle time to hide the count
 # in: with this many requests of the model in flight in this process it has none, and
 # the bound would only add a resize (bench_peers: 2-4% less throughput at 16 and 64).
@@ -425,7 +424,6 @@ class _LateCount:
 
     task: asyncio.Task[tuple[int, float]]
     resize: asyncio.Task[int] | None = None
-    settled: bool = False
 
 
 @dataclass(slots=True)
@@ -450,8 +448,7 @@ async def _count_rendered(model: ModelRuntime, rendered: RenderedChat) -> tuple[
     # Created before the forward, so first in the loop's queue: step aside once, and
     # aiohttp's body-writing task (created as the forward sends its headers) runs
     # first; the request is on the wire while this counts.
-    for _ in range(_YIELDS_BEFORE_COUNT):
-        await asyncio.sleep(0)
+    await asyncio.sleep(0)
     t0 = time.perf_counter()
     tokens = await model.counter.count_rendered_async(rendered)
     return tokens, time.perf_counter() - t0
@@ -532,7 +529,6 @@ async def _settle(
     and the tracker; the lease shrinks to it without holding up the reply."""
     late = admitted.late
     assert late is not None
-    late.settled = True
     tokens, seconds = await late.task
     prompts = _nonempty([tokens])
     trace.prompt_tokens = tokens
@@ -554,10 +550,9 @@ def _log_failure(task: asyncio.Task[int]) -> None:
 
 
 def _close_late(late: _LateCount, trace: _Trace) -> None:
-    """The reply never began (upstream error, client gone): stop the count, or keep
-    what it found for the log line."""
-    if late.settled:
-        return
+    """On every way out: a count still running (the reply never began: upstream error,
+    client gone) is stopped; a finished one is read, so its outcome is never left
+    unretrieved, and its count goes to the log line."""
     if not late.task.done():
         late.task.cancel()
     elif not late.task.cancelled() and late.task.exception() is None:
