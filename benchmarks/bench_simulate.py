@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from policies.reservation import ReservationMode
-from proxy.simulate import Scenario, load_trace, simulate
+from proxy.replay import Scenario, load_trace, simulate
 
 SLICE = Path(__file__).resolve().parent / "data" / "azure_llm_2023_conv_slice.csv"
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -30,6 +28,7 @@ from policies.placement import BackendRoom, PlacementName, rank_backends
 from proxy.config import QueueConfig
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.ledger import Ledger
+from proxy.release_rate import ReleaseRate
 
 __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "controller_for"]
 
@@ -55,22 +54,47 @@ class Demand:
 
 
 class Backend:
-    """A backend's static capacity and live health, as the controller sees it."""
+    """A backend's capacity and live health, as the controller sees it.
+
+    Read by anyone, written only by its `AdmissionController` (`set_capacity`,
+    `set_healthy`, `set_target_factor`, and the leases it grants): every change that
+    can open room then wakes the queue in the one place that knows about it.
+    """
+
+    __slots__ = ("_capacity_tokens", "_healthy", "_inflight", "_target_factor", "api_key",
+                 "name", "url")
 
     def __init__(self, *, name: str, url: str, capacity_tokens: int, api_key: str | None = None):
         self.name = name
         self.url = url.rstrip("/")
         self.api_key = api_key
-        self.capacity_tokens = capacity_tokens
-        self.healthy = True
-        self.inflight = 0
+        self._capacity_tokens = capacity_tokens
+        self._healthy = capacity_tokens > 0  # unknown capacity: not ready yet
+        self._inflight = 0
         # The share of capacity new admissions may fill (adaptive reservation moves
         # it from the engine's own figures); growth of live leases may use it all.
-        self.target_factor = 1.0
+        self._target_factor = 1.0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._capacity_tokens
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def inflight(self) -> int:
+        """Leases this process holds on the backend now."""
+        return self._inflight
+
+    @property
+    def target_factor(self) -> float:
+        return self._target_factor
 
     @property
     def target_tokens(self) -> int:
-        return int(self.capacity_tokens * self.target_factor)
+        return int(self._capacity_tokens * self._target_factor)
 
 
 class Lease:
@@ -91,7 +115,6 @@ class Lease:
         self.wanted_tokens = demand.tokens  # what the lease asked for at its last resize
         self._on_release = on_release
         self._released = False
-        backend.inflight += 1
 
     @property
     def shortfall_tokens(self) -> int:
@@ -106,43 +129,7 @@ class Lease:
         if self._released:
             return
         self._released = True
-        self.backend.inflight -= 1
         self._on_release(self)
-
-
-class ReleaseRate:
-    """Tokens released per second over a sliding window: the basis of Retry-After."""
-
-    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        self._window_s = window_s
-        self._clock = clock
-        self._events: deque[tuple[float, int]] = deque()
-        self._sum = 0
-
-    def record(self, tokens: int) -> None:
-        now = self._clock()
-        self._events.append((now, tokens))
-        self._sum += tokens
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._events and self._events[0][0] < now - self._window_s:
-            self._sum -= self._events.popleft()[1]
-
-    def tokens_per_s(self) -> float:
-        now = self._clock()
-        self._trim(now)
-        if not self._events:
-            return 0.0
-        span = max(1.0, now - self._events[0][0])
-        return self._sum / span
-
-    def wait_s(self, tokens_ahead: int, *, floor_s: float = 1.0, ceiling_s: float = 60.0) -> float:
-        """Seconds until `tokens_ahead` should have been released at the recent rate."""
-        rate = self.tokens_per_s()
-        if rate <= 0:
-            return floor_s
-        return min(ceiling_s, max(floor_s, tokens_ahead / rate))
 
 
 class _Waiter:
@@ -224,8 +211,23 @@ class AdmissionController:
         """A new capacity applies to the next reservation; live leases stay as they are."""
         if capacity_tokens < 0:
             raise ValueError(f"`capacity_tokens` must be >= 0. Given: {capacity_tokens}")
-        backend.capacity_tokens = capacity_tokens
+        backend._capacity_tokens = capacity_tokens
         self.kick()
+
+    def set_healthy(self, backend: Backend, healthy: bool) -> None:
+        """A backend that becomes healthy may take the queue's head at once."""
+        if healthy == backend._healthy:
+            return
+        backend._healthy = healthy
+        if healthy:
+            self.kick()
+
+    def set_target_factor(self, backend: Backend, factor: float) -> None:
+        """Move the share of capacity new admissions may fill; a looser target wakes
+        the queue, a tighter one holds back the next admissions only."""
+        before, backend._target_factor = backend._target_factor, factor
+        if factor > before:
+            self.kick()
 
     def shortfall_tokens(self, backend: Backend) -> int:
         return sum(lease.shortfall_tokens for lease in self._short.values()
@@ -342,6 +344,7 @@ class AdmissionController:
                 lease = Lease(
                     lease_id=lease_id, backend=backend, demand=demand, on_release=self._released
                 )
+                backend._inflight += 1
                 self._on_event("admit", lease)
                 return lease
         return None
@@ -381,6 +384,7 @@ class AdmissionController:
         return granted
 
     def _released(self, lease: Lease) -> None:
+        lease.backend._inflight -= 1
         self._short.pop(lease.lease_id, None)
         self._ledger.release(lease.lease_id)
         self.release_rate.record(lease.tokens)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -18,7 +19,7 @@ from multidict import CIMultiDict
 
 from proxy.errors import UpstreamError
 
-__all__ = ["ClientDisconnected", "ForwardResult", "forward", "make_session",
+__all__ = ["ClientDisconnected", "Forwarded", "forward", "make_session",
            "map_upstream_errors"]
 
 _BODY_HEADERS = frozenset({"content-type", "content-encoding"})
@@ -79,15 +80,14 @@ def _request_headers(
     return headers
 
 
-class ForwardResult:
-    """How the forward ended, for metrics and the request log."""
+@dataclass(frozen=True, slots=True)
+class Forwarded:
+    """The answer sent, and how the forward ended (for the gate's outcome and metrics)."""
 
-    __slots__ = ("failed_mid_stream", "first_byte_s", "status")
-
-    def __init__(self) -> None:
-        self.status = 0
-        self.first_byte_s: float | None = None
-        self.failed_mid_stream = False
+    response: web.StreamResponse
+    status: int
+    first_byte_s: float | None
+    failed_mid_stream: bool = False
 
 
 async def forward(
@@ -99,9 +99,8 @@ async def forward(
     api_key: str | None,
     body: bytes,
     reply_headers: Callable[[], Awaitable[Mapping[str, str]]],
-    result: ForwardResult,
     on_chunk: Callable[[bytes], None] | None = None,
-) -> web.StreamResponse:
+) -> Forwarded:
     """Send `body` to `url` and stream the answer; raises UpstreamError before the first byte.
 
     `reply_headers` is awaited once the backend's answer has begun, just before the
@@ -112,8 +111,8 @@ async def forward(
     headers = _request_headers(request.headers, api_key)
     with map_upstream_errors(backend_name):
         upstream = await session.post(url, data=body, headers=headers)
+    first_byte_s: float | None = None
     try:
-        result.status = upstream.status
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for key, value in upstream.headers.items():
             if key.lower() not in HOP_BY_HOP:
@@ -129,23 +128,22 @@ async def forward(
         await response.prepare(request)
         try:
             async for chunk in upstream.content.iter_any():
-                if result.first_byte_s is None:
-                    result.first_byte_s = time.perf_counter() - started
+                if first_byte_s is None:
+                    first_byte_s = time.perf_counter() - started
                 if on_chunk is not None:
                     on_chunk(chunk)
                 await _to_client(response, chunk)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            result.failed_mid_stream = True
             if is_sse:
                 error = UpstreamError(f"backend {backend_name!r} failed mid-stream: {exc}")
                 await _to_client(response, error.sse_event())
                 await response.write_eof()
             elif request.transport is not None:
                 request.transport.close()  # a cut body, never a clean-looking end
-            return response
-        if result.first_byte_s is None:
-            result.first_byte_s = time.perf_counter() - started
+            return Forwarded(response, upstream.status, first_byte_s, failed_mid_stream=True)
+        if first_byte_s is None:
+            first_byte_s = time.perf_counter() - started
         await response.write_eof()
-        return response
+        return Forwarded(response, upstream.status, first_byte_s)
     finally:
         upstream.close()

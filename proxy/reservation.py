@@ -57,13 +57,17 @@ class Progress:
     max_tokens: int
     n: int
     min_tokens: int
-    strict: bool
     stream: bool
     chat: bool
     started_s: float
     first_event_s: float | None = None
     events: int = 0
     tail: bytearray = field(default_factory=bytearray)
+
+    @property
+    def strict(self) -> bool:
+        """Sized as prompt + max_tokens and never resized: the lease's demand says so."""
+        return not self.lease.demand.follow
 
     def feed(self, chunk: bytes) -> None:
         """Called for every chunk forwarded to the client; cheap on purpose."""
@@ -231,11 +235,11 @@ def follow_adaptively(
 
     controller.sizer = size
     for backend in controller.backends:
-        backend.target_factor = tracker.admission_factor(backend.target_factor)
+        controller.set_target_factor(backend, tracker.admission_factor(backend.target_factor))
 
     def ready() -> None:  # the cold start is over: the engine feedback decides alone
         for backend in controller.backends:
-            backend.target_factor = targets[backend.name].factor
+            controller.set_target_factor(backend, targets[backend.name].factor)
         controller.kick()
 
     tracker.on_ready = ready
@@ -244,20 +248,21 @@ def follow_adaptively(
 
 
 def apply_engine_report(
-    tracker: ReservationTracker, backend: Backend, target: AdmissionTarget, *, now: float,
-    preemptions_total: int | None, usage_ratio: float | None, reserved_tokens: int,
+    tracker: ReservationTracker, controller: AdmissionController, backend: Backend,
+    target: AdmissionTarget, *, now: float, preemptions_total: int | None,
+    usage_ratio: float | None, reserved_tokens: int,
 ) -> float:
     """One scrape of a backend's engine moves its admission target; -> the factor before.
 
-    The proxy's engine poll and `kvgate simulate` both call this, so a simulated
-    deployment tightens and loosens exactly as a served one.
+    The gate's engine poll calls this for `kvgate serve` and `kvgate simulate` alike,
+    so a simulated deployment tightens and loosens exactly as a served one.
     """
     before = backend.target_factor
-    backend.target_factor = tracker.admission_factor(target.observe(
+    controller.set_target_factor(backend, tracker.admission_factor(target.observe(
         now=now, preemptions_total=preemptions_total,
         engine_tokens=(None if usage_ratio is None
                        else int(usage_ratio * backend.capacity_tokens)),
         reserved_tokens=reserved_tokens, capacity_tokens=backend.capacity_tokens,
-    ))
+    )))
     target.usage_ratio = usage_ratio
     return before

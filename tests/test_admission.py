@@ -148,7 +148,7 @@ def test_demand_larger_than_any_backend_is_request_too_large() -> None:
 def test_no_healthy_backend_is_no_backend() -> None:
     async def scenario() -> None:
         c, _ = controller()
-        c.backends[0].healthy = False
+        c.set_healthy(c.backends[0], False)
         with pytest.raises(NoBackend):
             await c.acquire(demand(1), soon())
 
@@ -220,13 +220,13 @@ def test_a_starving_head_above_the_admission_target_does_not_hold_the_queue() ->
     stop smaller requests from passing meanwhile."""
     async def scenario() -> None:
         c, ledger = controller(capacity=1000, starvation_s=0.05)
-        c.backends[0].target_factor = 0.75
+        c.set_target_factor(c.backends[0], 0.75)
         big = asyncio.create_task(c.acquire(demand(800), soon(2)))
         await asyncio.sleep(0.1)  # starving now
         small = await asyncio.wait_for(c.acquire(demand(10), soon(2)), 1)
         assert not big.done()
         small.release()
-        c.backends[0].target_factor = 1.0
+        c.set_target_factor(c.backends[0], 1.0)
         c.kick()
         (await asyncio.wait_for(big, 1)).release()
         assert ledger.resident("b0") == 0

@@ -57,7 +57,7 @@ async def settle(stack: Stack) -> None:
 
 
 def bound_of(stack: Stack, messages: list[dict[str, Any]]) -> int:
-    rendered = stack.state.models[MODEL].counter.render_for_count(ChatRequest(messages=messages))
+    rendered = stack.state.gates[MODEL].counter.render_for_count(ChatRequest(messages=messages))
     assert rendered is not None and rendered.max_tokens is not None
     return rendered.max_tokens
 
@@ -86,7 +86,7 @@ def test_a_request_admitted_on_its_bound_ends_on_its_exact_count(reservation: st
         async with running_stack(backends=1, kv_tokens=16384, model={"reservation": reservation},
                                  engine={"decode_step_ms": 20}) as stack, \
                 aiohttp.ClientSession() as s:
-            model = stack.state.models[MODEL]
+            model = stack.state.gates[MODEL]
             bound = bound_of(stack, messages)
             assert bound > exact  # ~5 bytes a token: the lease must shrink
             body = {"model": MODEL, "messages": messages, "max_tokens": 40, "stream": True}
@@ -203,7 +203,7 @@ def test_with_requests_in_flight_the_count_comes_first() -> None:
                 resp = await s.post(f"{stack.url}/v1/chat/completions", json=body)
                 assert resp.status == 200
                 held.append(resp)
-            assert stack.state.models[MODEL].controller.inflight == 4
+            assert stack.state.gates[MODEL].controller.inflight == 4
             body["stream"] = False
             async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200

@@ -375,7 +375,7 @@ def test_client_leaving_mid_stream_is_client_disconnect_not_upstream_error(
                                    handler_cancellation=False, access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", 0).start()
-            state = runner.app[server_module.STATE_KEY]
+            state = runner.app[server_module.RUNTIME_KEY]
             url = f"http://127.0.0.1:{bound_port(runner)}"
             try:
                 async with aiohttp.ClientSession() as s:

@@ -30,7 +30,7 @@ async def settle(stack: Stack) -> None:
     """Wait until every lease is back and the queue is empty."""
     async with asyncio.timeout(5):
         while any(stack.resident().values()) or any(
-            m.controller.queue_depth for m in stack.state.models.values()
+            m.controller.queue_depth for m in stack.state.gates.values()
         ):
             await asyncio.sleep(0.01)
 
@@ -247,7 +247,7 @@ def test_client_disconnect_while_queued_leaves_the_queue() -> None:
             queued = asyncio.create_task(s.post(
                 f"{stack.url}/v1/chat/completions",
                 json={"model": MODEL, "messages": MSGS, "max_tokens": 300}))
-            controller = stack.state.models[MODEL].controller
+            controller = stack.state.gates[MODEL].controller
             async with asyncio.timeout(2):
                 while controller.queue_depth == 0:
                     await asyncio.sleep(0.01)
@@ -460,7 +460,7 @@ def test_body_goes_upstream_byte_identical_with_backend_key_and_no_hop_headers()
         async with fake_backend(capture) as url, \
                 running_stack(backends=0, extra_backend_urls=[url]) as stack, \
                 aiohttp.ClientSession() as s:
-            stack.state.models[MODEL].controller.backends[0].api_key = "backend-secret"
+            stack.state.gates[MODEL].controller.backends[0].api_key = "backend-secret"
             # odd spacing and key order must survive: the bytes are not re-serialised
             raw = (b'{ "max_tokens" : 5,"model":"qwen3-14b",  "messages": '
                    b'[{"role":"user","content":"caf\\u00e9"}], "temperature": 0.70}')
@@ -531,7 +531,7 @@ def test_priority_class_from_api_key_goes_first() -> None:
             await asyncio.sleep(0.05)
             vip = asyncio.create_task(call("vip-key", 300))
             await asyncio.sleep(0.05)
-            assert stack.state.models[MODEL].controller.queue_depth == 2
+            assert stack.state.gates[MODEL].controller.queue_depth == 2
             async with asyncio.timeout(10):
                 await asyncio.gather(hog, batch, vip)
             assert finished == ["hog-key", "vip-key", "batch-key"]
@@ -639,7 +639,7 @@ def test_tenant_is_the_api_key_unless_the_header_is_trusted(trust: bool) -> None
                                   headers=headers) as resp:
                     assert resp.status == 200, await resp.text()
             await settle(stack)
-            policy = stack.state.models[MODEL].controller._ordering
+            policy = stack.state.gates[MODEL].controller._ordering
             assert isinstance(policy, PriorityFairShare)
             tenants = sorted(policy._usage)
             assert tenants == (["alpha", "beta", "gamma"] if trust else tenants[:1])

@@ -401,7 +401,7 @@ def test_a_lease_back_within_its_slack_leaves_the_shortfall_list_unshrunk() -> N
         other = await c.acquire(Demand(tokens=850, prompt_tokens=100, max_tokens=750), 1e9)
         assert await c.resize(lease, 200) == 150  # full: 50 short
         tracker.track(Progress(lease=lease, prompt_tokens=100, max_tokens=500, n=1,
-                               min_tokens=0, strict=False, stream=True, chat=True,
+                               min_tokens=0, stream=True, chat=True,
                                started_s=0.0))
         await tracker.tick(c, 0.0)  # wants 130: within 32 of 150, kept at 150
         assert (lease.tokens, lease.wanted_tokens) == (150, 130)

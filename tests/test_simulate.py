@@ -14,16 +14,15 @@ import tomli_w
 from policies.reservation import ReservationMode
 from proxy.cli import main
 from proxy.config import QueueConfig
-from proxy.simulate import (
+from proxy.replay import (
     EngineSpeed,
     Scenario,
     TraceRequest,
     VirtualClockLoop,
     load_trace,
-    parse_slo,
-    parse_sweep,
     simulate,
 )
+from proxy.replay_cli import parse_slo, parse_sweep
 
 SLICE = (Path(__file__).resolve().parent.parent / "benchmarks" / "data"
          / "azure_llm_2023_conv_slice.csv")
@@ -302,7 +301,7 @@ def test_the_replay_queues_with_every_queue_setting_the_proxy_uses() -> None:
     """Both build their controller with `controller_for`; the replay used to drop the
     fair-share half-life."""
     from policies.ordering import PriorityFairShare
-    from proxy.simulate import _Replay
+    from proxy.replay import _Replay
 
     queue = QueueConfig(ordering="priority", fair_share_half_life_s=7.0, max_depth=9,
                         starvation_s=1.5)

@@ -12,7 +12,8 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config import parse_config
-from proxy.server import STATE_KEY, ProxyState, start_proxy
+from proxy.runtime import Runtime
+from proxy.server import RUNTIME_KEY, start_proxy
 from proxy.sim.engine import EngineConfig, OutputLength
 from proxy.sim.server import SimSettings, bound_port, start_sim
 
@@ -24,7 +25,7 @@ MODEL = "qwen3-14b"
 class Stack:
     url: str
     sims: list[str]
-    state: ProxyState
+    state: Runtime
 
     async def sim_state(self, session: aiohttp.ClientSession, i: int) -> dict[str, Any]:
         async with session.get(f"{self.sims[i]}/sim/state") as resp:
@@ -73,7 +74,7 @@ async def running_stack(
         config = parse_config(data, base=Path.cwd())
         proxy = await start_proxy(config, port=0)
         yield Stack(url=f"http://127.0.0.1:{bound_port(proxy)}", sims=urls,
-                    state=proxy.app[STATE_KEY])
+                    state=proxy.app[RUNTIME_KEY])
     finally:
         if proxy is not None:
             await proxy.cleanup()

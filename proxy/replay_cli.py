@@ -8,25 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+import math
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from policies.output import OutputPolicy, OutputPolicyName
 from policies.reservation import ReservationMode
 from proxy.config import QueueConfig, load_config
-from proxy.simulate import (
-    EngineSpeed,
-    Scenario,
-    SimReport,
-    Slo,
-    load_trace,
-    parse_slo,
-    parse_sweep,
-    simulate,
-)
+from proxy.plan_cli import CliError, build_plan
+from proxy.replay import EngineSpeed, Scenario, SimReport, load_trace, simulate
 
-__all__ = ["add_simulate", "build_scenario", "run_simulate"]
+__all__ = ["Slo", "add_simulate", "build_scenario", "parse_slo", "parse_sweep", "run_simulate"]
 
 _SPEED = EngineSpeed()  # slotted dataclasses: defaults are read from an instance
 _QUEUE = QueueConfig()
@@ -34,8 +28,6 @@ _QUEUE = QueueConfig()
 
 def _capacity_from_flags(args: argparse.Namespace) -> tuple[int, int]:
     """(tokens per backend, block size) from `kvgate plan`'s own flags and code."""
-    from proxy.cli import CliError, build_plan
-
     if args.kv_tokens is not None:
         return args.kv_tokens, args.block_size
     if args.usable_memory is None:
@@ -67,7 +59,7 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
             max_model_len=args.max_model_len or model.max_model_len, queue=config.queue,
             reservation=ReservationMode(args.reservation or model.reservation),
             adaptive=model.adaptive, output=model.output, placement=model.placement,
-            ledger_tokens=None if deployment is None else deployment.ledger_tokens, **common)
+            deployment=deployment, **common)
     else:
         capacity, block = _capacity_from_flags(args)
         queue = QueueConfig(max_depth=args.max_queue_depth, default_deadline_s=args.deadline,
@@ -292,3 +284,85 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--plot", help="write resident vs capacity and queue depth to FILE.png")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_simulate, deadline_given=False, depth_given=False)
+
+
+_SLO_TERM = re.compile(r"^\s*([a-z0-9_]+)\s*(<=|>=)\s*([0-9.]+)\s*(ms|s|%)?\s*$")
+_SLO_KEYS = ("p50_queue_wait", "p99_queue_wait", "p50_ttft", "p99_ttft", "rejected",
+             "goodput", "preemptions")
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """`key<=value` / `key>=value` terms; times in s (or ms), ratios as % or fractions."""
+
+    terms: tuple[tuple[str, str, float], ...]
+    text: str
+
+    def value(self, report: SimReport, key: str) -> float:
+        if key == "rejected":
+            return report.rejected_ratio
+        if key == "goodput":
+            return report.goodput_ratio
+        if key == "preemptions":
+            return float(report.preemptions)
+        which, name = key.split("_", 1)
+        table = report.queue_wait_s if name == "queue_wait" else report.ttft_s
+        v = table.get(which)
+        return math.inf if v is None else v
+
+    def failures(self, report: SimReport) -> list[str]:
+        out = []
+        for key, op, limit in self.terms:
+            v = self.value(report, key)
+            ok = v <= limit if op == "<=" else v >= limit
+            if not ok:
+                out.append(f"{key}={v:g} (want {op}{limit:g})")
+        return out
+
+
+def parse_slo(text: str) -> Slo:
+    terms: list[tuple[str, str, float]] = []
+    for part in text.split(","):
+        m = _SLO_TERM.match(part)
+        if m is None or m.group(1) not in _SLO_KEYS:
+            raise ValueError(f"SLO term {part.strip()!r}: want KEY<=N or KEY>=N with KEY one "
+                             f"of {', '.join(_SLO_KEYS)} (e.g. p99_queue_wait<=2s,rejected<=1%)")
+        key, op, num, unit = m.group(1), m.group(2), float(m.group(3)), m.group(4)
+        if unit == "ms":
+            num /= 1000
+        elif unit == "%":
+            num /= 100
+        terms.append((key, op, num))
+    return Slo(tuple(terms), text)
+
+
+_SWEEP_KEYS = ("backends", "kv_tokens", "speed", "tp", "memory")
+
+
+def parse_sweep(text: str) -> tuple[str, list[str]]:
+    """`backends=1..8`, `backends=1,2,4`, `kv_tokens=32768,65536`, `speed=1,2,4`,
+    `tp=1,2,4`, `memory=40GiB,80GiB` (the last two recompute capacity with `kvgate
+    plan`'s arithmetic, so they need its flags rather than a config file)."""
+    key, sep, values = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or key not in _SWEEP_KEYS:
+        raise ValueError(f"--sweep wants KEY=VALUES with KEY one of {', '.join(_SWEEP_KEYS)}. "
+                         f"Given: {text!r}")
+    if key == "memory":
+        out_text = [v.strip() for v in values.split(",") if v.strip()]
+        if not out_text:
+            raise ValueError(f"--sweep memory wants sizes with units. Given: {values!r}")
+        return key, out_text
+    out: list[float] = []
+    for part in values.split(","):
+        lo, dots, hi = part.partition("..")
+        try:
+            if dots:
+                out.extend(float(v) for v in range(int(lo), int(hi) + 1))
+            else:
+                out.append(float(part))
+        except ValueError:
+            raise ValueError(f"--sweep value {part!r} is not a number or A..B") from None
+    if not out or any(v <= 0 for v in out):
+        raise ValueError(f"--sweep values must be > 0. Given: {values!r}")
+    return key, [f"{v:g}" for v in out]

@@ -1,0 +1,451 @@
+"""One model's request pipeline, with no socket in it: count, decide, admit, send, release.
+
+`Gate.handle` is a request's whole life, read top to bottom (the shape of GIE's
+`Director.HandleRequest` and TGI's `validate` -> `Entry`):
+
+    admitted = await self._admit(ask, record)   # count, demand, lease (or a rejection)
+    self._follow(admitted)                      # adaptive: progress to resize from
+    sent = await send(admitted)                 # the transport: HTTP, or a simulated engine
+    ...the outcome, set in one place...
+    finally: release exactly once; metrics and the log line once
+
+The HTTP layer (`proxy.server`) turns headers into an `Ask` and forwards in `send`;
+`kvgate simulate` (`proxy.replay`) hands in counted prompts and a `send` that runs a
+simulated engine in virtual time. Both run this code: one demand, one admission, one
+lease life, one engine-feedback step and one resize timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from policies.engines import default_output_tokens
+from policies.output import decide_output
+from policies.reservation import AdmissionTarget, ReservationMode
+from proxy.admission import AdmissionController, Backend, Demand, Lease, controller_for
+from proxy.ask import Admitted, Ask, Record, S
+from proxy.capacity import cdiv
+from proxy.config import ModelConfig, QueueConfig
+from proxy.count_workers import CountWorkers
+from proxy.engine_metrics import EngineLoad
+from proxy.errors import (
+    ContextLengthExceeded,
+    InternalError,
+    InvalidRequest,
+    KvgateError,
+    MaxTokensRequired,
+)
+from proxy.ledger import Ledger
+from proxy.metrics import Metrics, Outcome
+from proxy.reservation import (
+    Progress,
+    ReservationTracker,
+    apply_engine_report,
+    follow_adaptively,
+)
+from proxy.tokenize import PromptCounter, RenderedChat, TemplateError
+from proxy.validation import Endpoint, ValidRequest
+
+__all__ = ["Gate", "every"]
+
+_log = logging.getLogger("kvgate")
+
+# Admission on a bound pays only where the event loop has idle time to hide the count
+# in: with this many requests of the model in flight in this process it has none, and
+# the bound would only add a resize (bench_peers: 2-4% less throughput at 16 and 64).
+_BOUND_MAX_INFLIGHT = 4
+
+# Outcomes of requests that were admitted or failed inside kvgate; every other outcome
+# is a rejection's error code.
+_ENDED = frozenset({Outcome.COMPLETED, Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECT,
+                    InternalError.code})
+
+
+class Gate:
+    """Count, decide, admit and follow the requests of one served model."""
+
+    def __init__(
+        self, config: ModelConfig, *, queue: QueueConfig, ledger: Ledger, metrics: Metrics,
+        counter: PromptCounter | None, admit_on_bound: bool = False,
+        on_lease: Callable[[str, Lease], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self.counter = counter  # None: every ask comes counted (a replay)
+        self.ledger = ledger
+        self.metrics = metrics
+        self.admit_on_bound = admit_on_bound and counter is not None
+        self.count_workers: CountWorkers | None = None  # set by the runtime once started
+        self._on_lease = on_lease
+        # Per layer kind, per request, and again on every resize: memoised, since a
+        # model's layout never changes and lengths repeat.
+        self.ledger_tokens: Callable[[int], int] = functools.lru_cache(maxsize=16384)(
+            self._ledger_tokens)
+        backends = [Backend(name=b.name, url=b.url, api_key=b.api_key,
+                            capacity_tokens=config.capacity_tokens) for b in config.backends]
+        self.controller: AdmissionController = controller_for(
+            model=config.name, backends=backends, ledger=ledger, queue=queue,
+            placement=config.placement, on_event=self._lease_event)
+        for b in backends:
+            metrics.backend_configured(b.name, b.capacity_tokens)
+        self.tracker: ReservationTracker | None = None
+        self.targets: dict[str, AdmissionTarget] = {}
+        if config.reservation is ReservationMode.ADAPTIVE:
+            a = config.adaptive
+            self.tracker, self.targets = follow_adaptively(
+                self.controller, quantile=a.quantile, min_samples=a.min_samples,
+                history=a.history, resize_interval_s=a.resize_interval_s,
+                ledger_tokens=self.ledger_tokens, block_size=config.block_size)
+
+    @property
+    def backends(self) -> list[Backend]:
+        return self.controller.backends
+
+    # ------------------------------------------------------------------ one request
+    async def handle(self, ask: Ask, record: Record, send: Callable[[Admitted], Awaitable[S]]
+                     ) -> S:
+        """A request's life from counted to released; raises the contract's errors."""
+        record.model = self.name
+        admitted: Admitted | None = None
+        sent: S | None = None
+        outcome: str = Outcome.COMPLETED
+        try:
+            admitted = await self._admit(ask, record)
+            self._follow(admitted, ask.request)
+            sent = await send(admitted)
+            if sent.first_byte_s is not None:
+                self.metrics.first_byte(admitted.lease.backend.name, sent.first_byte_s)
+            if sent.failed_mid_stream or sent.status >= 500:
+                outcome = Outcome.UPSTREAM_ERROR
+            return sent
+        except KvgateError as exc:  # a rejection before the lease, or the upstream's failure
+            outcome = exc.code
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            outcome = Outcome.CLIENT_DISCONNECT
+            raise
+        except BaseException:
+            outcome = InternalError.code
+            raise
+        finally:
+            if admitted is not None:
+                completed = (outcome == Outcome.COMPLETED and sent is not None
+                             and sent.status == 200)
+                self._release(admitted, completed=completed)
+            self.end(record, outcome)
+
+    def end(self, record: Record, outcome: str) -> None:
+        """The request's metrics and log line, once, whatever ended it."""
+        if record.outcome is None:
+            if outcome in _ENDED:
+                self.metrics.finished(self.name, outcome)
+            else:
+                self.metrics.rejected(self.name, outcome)
+        record.end(outcome)
+
+    async def _admit(self, ask: Ask, record: Record) -> Admitted:
+        """Count, decide the output budget, and hold a lease: at once on a bound, or
+        after the exact count (queueing if needed), or a rejection."""
+        req = ask.request
+        t0 = time.perf_counter()
+        rendered = self._render(ask)
+        if rendered is not None and self._may_admit_on_bound(req, rendered):
+            assert rendered.max_tokens is not None
+            early = await self._admit_on_bound(ask, record, rendered, rendered.max_tokens)
+            if early is not None:
+                return early
+        if ask.prompt_tokens is not None:
+            prompts = list(ask.prompt_tokens)
+        else:
+            if rendered is not None:
+                prompts = _nonempty([await self._counter.count_rendered_async(rendered)])
+            else:
+                prompts = await self._count(req, ask.raw)
+            self.metrics.counted(self.name, prompt_tokens=sum(prompts),
+                                 seconds=time.perf_counter() - t0)
+        record.prompt_tokens = sum(prompts)
+        demand, output_cap = self.demand(req, prompts, priority=ask.priority, tenant=ask.tenant)
+        record.reserved_tokens = demand.tokens
+        loop = asyncio.get_running_loop()
+        queued_at = loop.time()
+        try:
+            lease = await self.controller.acquire(demand, ask.deadline)
+        finally:
+            record.queue_wait_ms = (loop.time() - queued_at) * 1000
+            self.metrics.queue_depth(self.name, self.controller.queue_depth)
+        self.metrics.admitted(self.name, reserved_tokens=demand.tokens,
+                              waited_s=record.queue_wait_ms / 1000)
+        return self._admitted(lease, demand, output_cap, ask, record)
+
+    def _admitted(self, lease: Lease, demand: Demand, output_cap: int | None, ask: Ask,
+                  record: Record) -> Admitted:
+        record.backend = lease.backend.name
+        record.output_cap = output_cap
+        body = ask.raw if output_cap is None else ask.request.with_max_tokens(output_cap)
+        return Admitted(lease=lease, demand=demand, body=body, output_cap=output_cap,
+                        record=record)
+
+    def _follow(self, admitted: Admitted, req: ValidRequest) -> None:
+        if self.tracker is None:
+            return
+        d = admitted.demand
+        admitted.progress = Progress(
+            lease=admitted.lease, prompt_tokens=d.prompt_tokens, max_tokens=d.max_tokens,
+            n=d.n, min_tokens=d.min_tokens, stream=req.stream,
+            chat=req.endpoint is Endpoint.CHAT, started_s=asyncio.get_running_loop().time())
+        self.tracker.track(admitted.progress)
+
+    def _release(self, admitted: Admitted, *, completed: bool) -> None:
+        try:
+            if admitted.late_count is not None:
+                _close_late(admitted.late_count, admitted.record)
+            if admitted.progress is not None and self.tracker is not None:
+                self.tracker.finish(admitted.progress, asyncio.get_running_loop().time(),
+                                    completed=completed)
+        finally:
+            admitted.lease.release()  # learning from the answer never stands in its way
+
+    # ------------------------------------------------------------------ demand
+    def demand(self, req: ValidRequest, prompts: list[int], *, priority: str = "",
+               tenant: str = "") -> tuple[Demand, int | None]:
+        """Output reservation and context check per prompt; -> (demand, max_tokens to set).
+
+        The body carries one max_tokens for all its prompts: when the output policy caps
+        any of them, every prompt is forwarded with that cap, so every prompt reserves it
+        and must fit the context with it.
+        """
+        cfg = self.config
+        # Several prompts in one call: one lease, several sequences; follow none of them.
+        follow = not req.ignore_eos and len(prompts) == 1 and self.tracker is not None
+        decisions = []
+        for prompt_tokens in prompts:
+            engine_default = default_output_tokens(
+                (b.kind for b in cfg.backends), chat=req.endpoint is Endpoint.CHAT,
+                prompt_tokens=prompt_tokens, max_model_len=cfg.max_model_len)
+            decision = decide_output(cfg.output, requested=req.max_tokens,
+                                     engine_default=engine_default)
+            if decision.missing:
+                raise MaxTokensRequired(
+                    f"model {cfg.name!r} requires `max_tokens` (or `max_completion_tokens`): "
+                    "kvgate reserves KV cache for every output token a request may generate",
+                    param="max_tokens",
+                )
+            decisions.append(decision)
+        set_to = next((d.set_max_tokens for d in decisions if d.set_max_tokens is not None),
+                      None)
+        total = 0
+        reserve_out = 0
+        for prompt_tokens, decision in zip(prompts, decisions, strict=True):
+            out = decision.max_tokens if set_to is None else set_to
+            if prompt_tokens + out > cfg.max_model_len or out < 1:
+                raise ContextLengthExceeded(
+                    max_model_len=cfg.max_model_len, prompt_tokens=prompt_tokens, max_tokens=out,
+                )
+            reserve_out = max(reserve_out, out)
+            if self.tracker is not None:
+                total += self.tracker.lease_tokens(
+                    prompt_tokens=prompt_tokens, max_tokens=out, n=req.n,
+                    min_tokens=min(req.min_tokens, out), strict=not follow,
+                )
+            else:
+                total += req.n * self.ledger_tokens(prompt_tokens + out)
+        demand = Demand(tokens=total, prompt_tokens=sum(prompts), max_tokens=reserve_out,
+                        n=req.n, priority=priority, tenant=tenant,
+                        min_tokens=min(req.min_tokens, reserve_out), follow=follow)
+        return demand, set_to
+
+    def _ledger_tokens(self, resident_tokens: int) -> int:
+        """Block-rounded ledger tokens (token-equivalents for hybrid layouts)."""
+        if self.config.deployment is not None:
+            return self.config.deployment.ledger_tokens(resident_tokens)
+        return cdiv(resident_tokens, self.config.block_size) * self.config.block_size
+
+    # ------------------------------------------------------------------ counting
+    @property
+    def _counter(self) -> PromptCounter:
+        if self.counter is None:
+            raise RuntimeError(f"model {self.name!r} has no counter: asks must come counted")
+        return self.counter
+
+    async def _count(self, req: ValidRequest, raw: bytes) -> list[int]:
+        """Exact counts: in a count worker where they run, else in this process."""
+        counter, workers = self._counter, self.count_workers
+        try:
+            counts: list[int] | None = None
+            if workers is not None and (req.chat is not None
+                                        or any(isinstance(p, str) for p in req.prompts)):
+                counts = await workers.count(req.endpoint, raw)
+            if counts is None:
+                if req.chat is not None:
+                    counts = [await counter.count_chat_async(req.chat)]
+                else:
+                    counts = [await counter.count_prompt_async(p) for p in req.prompts]
+        except TemplateError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+        return _nonempty(counts)
+
+    def _render(self, ask: Ask) -> RenderedChat | None:
+        """The rendered chat, where it is counted in this process from its rendered text:
+        a chat with nothing counted yet and no count workers to send it to."""
+        req = ask.request
+        if req.chat is None or ask.prompt_tokens is not None or self.count_workers is not None:
+            return None
+        try:
+            return self._counter.render_for_count(req.chat)
+        except TemplateError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+
+    def _may_admit_on_bound(self, req: ValidRequest, rendered: RenderedChat) -> bool:
+        """A proven bound, a client-set max_tokens (so the output decision needs no exact
+        prompt), the switch on, and idle loop time to hide the late count in."""
+        return (bool(rendered.max_tokens) and req.max_tokens is not None
+                and self.admit_on_bound and self.controller.inflight < _BOUND_MAX_INFLIGHT)
+
+    async def _admit_on_bound(self, ask: Ask, record: Record, rendered: RenderedChat,
+                              bound: int) -> Admitted | None:
+        """Admit at once on `bound` (>= the exact prompt count) where that needs no exact
+        figure: the client set max_tokens, so the output decision does not depend on the
+        prompt; prompt <= bound, so the context check passes for the exact count too; and
+        the controller has room now with nobody waiting. Else None: count first.
+        """
+        try:
+            demand, output_cap = self.demand(ask.request, [bound], priority=ask.priority,
+                                             tenant=ask.tenant)
+        except ContextLengthExceeded:
+            return None  # only the exact count can say
+        lease = await self.controller.try_acquire(demand)
+        if lease is None:
+            return None
+        record.reserved_tokens = demand.tokens
+        self.metrics.admitted_on_bound(self.name)
+        admitted = self._admitted(lease, demand, output_cap, ask, record)
+        admitted.late_count = asyncio.get_running_loop().create_task(
+            self._count_rendered(rendered))
+        admitted.settle = functools.partial(self._settle, ask)
+        return admitted
+
+    async def _count_rendered(self, rendered: RenderedChat) -> tuple[int, float]:
+        # Created before the forward, so first in the loop's queue: step aside once, and
+        # aiohttp's body-writing task (created as the forward sends its headers) runs
+        # first; the request is on the wire while this counts.
+        await asyncio.sleep(0)
+        t0 = time.perf_counter()
+        tokens = await self._counter.count_rendered_async(rendered)
+        return tokens, time.perf_counter() - t0
+
+    async def _settle(self, ask: Ask, admitted: Admitted) -> None:
+        """The exact count of a request admitted on a bound: into the record, the metrics
+        and the tracker; the lease shrinks to it without holding up the reply."""
+        assert admitted.late_count is not None
+        tokens, seconds = await admitted.late_count
+        prompts = _nonempty([tokens])
+        record = admitted.record
+        record.prompt_tokens = tokens
+        self.metrics.counted(self.name, prompt_tokens=tokens, seconds=seconds)
+        demand, _ = self.demand(ask.request, prompts, priority=ask.priority,
+                                tenant=ask.tenant)  # prompt <= bound: it fits
+        record.reserved_tokens = demand.tokens
+        self.metrics.admitted(self.name, reserved_tokens=demand.tokens, waited_s=0.0)
+        if admitted.progress is not None:
+            admitted.progress.prompt_tokens = tokens
+        lease = admitted.lease
+        if demand.tokens != lease.tokens:
+            resize = asyncio.ensure_future(self.controller.resize(lease, demand.tokens))
+            resize.add_done_callback(_log_resize_failure)
+
+    # ------------------------------------------------------------------ following
+    async def follow_engines(
+        self, read_engine: Callable[[Backend], Awaitable[EngineLoad | None]]
+    ) -> None:
+        """Until cancelled, in adaptive mode: resize the live leases as they generate,
+        and read every healthy engine's own figures to move its admission target."""
+        if self.tracker is None:
+            return
+        a = self.config.adaptive
+        await asyncio.gather(
+            every(a.resize_interval_s, self._resize_tick, f"resizing leases of {self.name}"),
+            every(a.engine_poll_interval_s, functools.partial(self._read_engines, read_engine),
+                   f"reading the engines of {self.name}"))
+
+    async def _resize_tick(self) -> None:
+        assert self.tracker is not None
+        await self.tracker.tick(self.controller, asyncio.get_running_loop().time())
+
+    async def _read_engines(
+        self, read_engine: Callable[[Backend], Awaitable[EngineLoad | None]]
+    ) -> None:
+        for backend in self.backends:
+            if not backend.healthy:
+                continue
+            try:
+                load = await read_engine(backend)
+            except Exception:  # one engine's failure must not freeze the others' targets
+                _log.exception("reading the engine of %s failed", backend.name)
+                continue
+            if load is not None:
+                self.engine_report(backend, load, asyncio.get_running_loop().time())
+
+    def engine_report(self, backend: Backend, load: EngineLoad, now: float) -> None:
+        """A preemption, or the engine holding more than every lease, tightens the
+        backend's admission target at once; quiet reports loosen it slowly."""
+        assert self.tracker is not None
+        before = apply_engine_report(
+            self.tracker, self.controller, backend, self.targets[backend.name], now=now,
+            preemptions_total=load.preemptions_total, usage_ratio=load.usage_ratio,
+            reserved_tokens=self.ledger.resident(backend.name))
+        self.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,
+                                     preemptions=load.preemptions_total)
+        if backend.target_factor < before:
+            _log.warning(
+                "backend %s: engine pressure (preemptions %s, KV use %s); admission "
+                "target now %d of %d tokens", backend.name, load.preemptions_total,
+                load.usage_ratio, backend.target_tokens, backend.capacity_tokens)
+
+    def _lease_event(self, kind: str, lease: Lease | None) -> None:
+        if lease is None:
+            return
+        b = lease.backend
+        self.metrics.backend_state(b.name, resident=self.ledger.resident(b.name),
+                                   capacity=b.capacity_tokens, inflight=b.inflight)
+        if self._on_lease is not None:
+            self._on_lease(kind, lease)
+
+
+async def every(interval_s: float, action: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run `action` now and every `interval_s` after, until cancelled; a failure is
+    logged and the timer goes on (a dead timer would leave leases unfollowed)."""
+    while True:
+        try:
+            await action()
+        except Exception:
+            _log.exception("%s failed", what)
+        await asyncio.sleep(interval_s)
+
+
+def _nonempty(counts: list[int]) -> list[int]:
+    for i, tokens in enumerate(counts):
+        if tokens == 0:  # vLLM refuses an empty decoder prompt; it must not reach it
+            where = "prompt" if len(counts) == 1 else f"prompt[{i}]"
+            raise InvalidRequest(
+                f"`{where}` is empty: 0 tokens after tokenization, and an engine cannot "
+                "generate from an empty prompt", param=where)
+    return counts
+
+
+def _log_resize_failure(task: asyncio.Future[int]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        _log.warning("a lease's resize to its exact count failed: %s", exc)
+
+
+def _close_late(task: asyncio.Task[tuple[int, float]], record: Record) -> None:
+    """On every way out: a count still running (the reply never began: upstream error,
+    client gone) is stopped; a finished one is read, so its outcome is never left
+    unretrieved, and its count goes to the log line."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled() and task.exception() is None:
+        record.prompt_tokens = task.result()[0]
