@@ -20,7 +20,7 @@ from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
 from policies.reservation import ReservationMode
 from proxy.capacity import Deployment, MemoryBudget
-from proxy.modelconfig import layout_from_hf_config, max_model_len_from_hf_config
+from proxy.modelconfig import ConfigError, layout_from_hf_config, max_model_len_from_hf_config
 from proxy.units import parse_bytes, parse_count
 
 __all__ = [
@@ -35,10 +35,6 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the key."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

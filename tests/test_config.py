@@ -153,3 +153,14 @@ def test_fair_share_keys_default_and_refusals() -> None:
         parse_config({**base, "queue": {"trust_tenant_header": "yes"}}, base=Path.cwd())
     with pytest.raises(ConfigError, match="`queue.fair_share_half_life_s` must be > 0"):
         parse_config({**base, "queue": {"fair_share_half_life_s": 0}}, base=Path.cwd())
+
+
+def test_one_config_error_for_the_toml_file_and_model_configs(tmp_path: Path) -> None:
+    from proxy import modelconfig
+
+    assert ConfigError is modelconfig.ConfigError
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 2}')  # no attention heads
+    with pytest.raises(ConfigError, match=r"`models\[0\]\.deployment\.model_config`"):
+        parse_config(base(path=str(model)), base=ROOT)
