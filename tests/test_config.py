@@ -164,3 +164,14 @@ def test_one_config_error_for_the_toml_file_and_model_configs(tmp_path: Path) ->
     (model / "config.json").write_text('{"num_hidden_layers": 2}')  # no attention heads
     with pytest.raises(ConfigError, match=r"`models\[0\]\.deployment\.model_config`"):
         parse_config(base(path=str(model)), base=ROOT)
+
+
+def test_parsers_take_every_default_from_the_dataclasses() -> None:
+    from proxy.config import AdaptiveConfig, LedgerConfig, QueueConfig, ServerConfig
+
+    cfg = parse_config(base(), base=ROOT)
+    assert cfg.server == ServerConfig()
+    assert cfg.queue == QueueConfig()
+    assert cfg.ledger == LedgerConfig()
+    assert cfg.models[0].adaptive == AdaptiveConfig()
+
