@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from policies.engines import EngineKind, engine_kind
-from policies.ordering import ORDERINGS, PRIORITY_CLASSES
+from policies.ordering import (
+    AGING_TOKENS_PER_S,
+    FAIR_SHARE_HALF_LIFE_S,
+    ORDERINGS,
+    PRIORITY_CLASSES,
+)
 from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
 from policies.reservation import ReservationMode
@@ -58,11 +63,11 @@ class QueueConfig:
     max_deadline_s: float = 120.0
     ordering: str = "fifo"
     starvation_s: float = 5.0
-    aging_tokens_per_s: float = 4000.0
+    aging_tokens_per_s: float = AGING_TOKENS_PER_S
     priority_header: str = "x-kvgate-priority"
     tenant_header: str = "x-kvgate-tenant"
     trust_tenant_header: bool = False
-    fair_share_half_life_s: float = 60.0
+    fair_share_half_life_s: float = FAIR_SHARE_HALF_LIFE_S
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     priority_by_api_key: Mapping[str, str] = field(default_factory=dict)
 
