@@ -13,6 +13,8 @@ from enum import StrEnum
 from typing import Protocol
 
 __all__ = [
+    "AGING_TOKENS_PER_S",
+    "FAIR_SHARE_HALF_LIFE_S",
     "ORDERINGS",
     "PRIORITY_CLASSES",
     "Fifo",
@@ -48,6 +50,11 @@ class Ordering(Protocol):
 
 PRIORITY_CLASSES = ("high", "normal", "low")
 
+# The defaults, here once: the policies', `make_ordering`'s and `[queue]`'s
+# (`proxy.config.QueueConfig.aging_tokens_per_s`, `.fair_share_half_life_s`).
+AGING_TOKENS_PER_S = 4000.0
+FAIR_SHARE_HALF_LIFE_S = 60.0
+
 
 class OrderingName(StrEnum):
     FIFO = "fifo"
@@ -74,7 +81,7 @@ class ShortestFirst:
     of any newcomer.
     """
 
-    aging_tokens_per_s: float = 4000.0
+    aging_tokens_per_s: float = AGING_TOKENS_PER_S
 
     def key(self, waiter: WaiterView, now: float) -> tuple[float, ...]:
         waited = max(0.0, now - waiter.arrival)
@@ -105,7 +112,7 @@ class PriorityFairShare:
         *,
         classes: tuple[str, ...] = PRIORITY_CLASSES,
         weights: Mapping[str, float] | None = None,
-        half_life_s: float = 60.0,
+        half_life_s: float = FAIR_SHARE_HALF_LIFE_S,
         max_tenants: int = 4096,
     ) -> None:
         if half_life_s <= 0:
@@ -169,8 +176,8 @@ def make_ordering(
     name: str,
     *,
     weights: Mapping[str, float] | None = None,
-    aging_tokens_per_s: float = 4000.0,
-    half_life_s: float = 60.0,
+    aging_tokens_per_s: float = AGING_TOKENS_PER_S,
+    half_life_s: float = FAIR_SHARE_HALF_LIFE_S,
 ) -> Ordering:
     if name == OrderingName.FIFO:
         return Fifo()

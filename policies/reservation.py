@@ -40,9 +40,11 @@ class OutputHistory:
 
     Below `min_samples` observations `ready` is False and callers use their
     cold-start rule instead (see `proxy.reservation.ReservationTracker.output_budget`).
+    All three are required: their defaults are `[models.adaptive]`'s, in
+    `proxy.config.AdaptiveConfig` (`history`, `min_samples`, `quantile`).
     """
 
-    def __init__(self, *, size: int = 2000, min_samples: int = 20, quantile: float = 0.9):
+    def __init__(self, *, size: int, min_samples: int, quantile: float):
         if size < 1 or min_samples < 1:
             raise ValueError("`size` and `min_samples` must be >= 1")
         if not 0.0 < quantile <= 1.0:

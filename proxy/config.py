@@ -10,17 +10,22 @@ import json
 import math
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from policies.engines import EngineKind, engine_kind
-from policies.ordering import ORDERINGS, PRIORITY_CLASSES
+from policies.ordering import (
+    AGING_TOKENS_PER_S,
+    FAIR_SHARE_HALF_LIFE_S,
+    ORDERINGS,
+    PRIORITY_CLASSES,
+)
 from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
 from policies.reservation import ReservationMode
 from proxy.capacity import Deployment, MemoryBudget
-from proxy.modelconfig import layout_from_hf_config, max_model_len_from_hf_config
+from proxy.modelconfig import ConfigError, layout_from_hf_config, max_model_len_from_hf_config
 from proxy.units import parse_bytes, parse_count
 
 __all__ = [
@@ -35,10 +40,6 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the key."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,11 +63,11 @@ class QueueConfig:
     max_deadline_s: float = 120.0
     ordering: str = "fifo"
     starvation_s: float = 5.0
-    aging_tokens_per_s: float = 4000.0
+    aging_tokens_per_s: float = AGING_TOKENS_PER_S
     priority_header: str = "x-kvgate-priority"
     tenant_header: str = "x-kvgate-tenant"
     trust_tenant_header: bool = False
-    fair_share_half_life_s: float = 60.0
+    fair_share_half_life_s: float = FAIR_SHARE_HALF_LIFE_S
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     priority_by_api_key: Mapping[str, str] = field(default_factory=dict)
 
@@ -104,8 +105,8 @@ class ModelConfig:
     name: str
     path: Path
     max_model_len: int
-    output: OutputPolicy
-    placement: PlacementName
+    output: OutputPolicy = field(default_factory=OutputPolicy)
+    placement: PlacementName = PlacementName.BEST_FIT
     deployment: Deployment | None
     block_size: int
     capacity_tokens: int
@@ -126,6 +127,20 @@ class KvgateConfig:
 
 
 # ----------------------------------------------------------------------------- helpers
+#
+# Every default is read from its dataclass, never typed again here: from a default
+# instance where all fields have one (`ServerConfig()`...), else with `_default`.
+
+
+def _default(cls: type[Any], name: str) -> Any:
+    """The default of dataclass `cls`'s field `name`."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+    raise LookupError(f"{cls.__name__}.{name} has no default")
 
 
 def _table(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
@@ -143,8 +158,12 @@ def _check_keys(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
         )
 
 
-def _num(data: Mapping[str, Any], key: str, where: str, default: float, *, minimum: float) -> float:
+def _num(
+    data: Mapping[str, Any], key: str, where: str, default: float | None, *, minimum: float
+) -> float:
     value = data.get(key, default)
+    if value is None:
+        raise ConfigError(f"`{where}{key}` is required")
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"`{where}{key}` must be a number. Given: {value!r}")
     if value < minimum:
@@ -187,7 +206,8 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
     _check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
                        "upstream_connect_timeout_s", "upstream_read_timeout_s",
                        "count_workers", "admit_on_bound"}, w)
-    listen = _str(data, "listen", w, "127.0.0.1:8080")
+    d = ServerConfig()
+    listen = _str(data, "listen", w, f"{d.host}:{d.port}")
     host, sep, port_text = listen.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ConfigError(f"`server.listen` must be HOST:PORT. Given: {listen!r}")
@@ -199,15 +219,21 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
             f"token). Given: {token!r}"
         )
     return ServerConfig(
-        host=host.strip("[]") or "127.0.0.1",
+        host=host.strip("[]") or d.host,
         port=int(port_text),
-        body_limit_bytes=_bytes(data, "body_limit", w) if "body_limit" in data else 4 * 2**20,
+        body_limit_bytes=(
+            _bytes(data, "body_limit", w) if "body_limit" in data else d.body_limit_bytes
+        ),
         admin_token=token,
-        health_interval_s=_num(data, "health_interval_s", w, 2.0, minimum=0.05),
-        upstream_connect_timeout_s=_num(data, "upstream_connect_timeout_s", w, 5.0, minimum=0.1),
-        upstream_read_timeout_s=_num(data, "upstream_read_timeout_s", w, 600.0, minimum=0.1),
-        count_workers=_int(data, "count_workers", w, 0, minimum=0),
-        admit_on_bound=_flag(data, "admit_on_bound", w, True),
+        health_interval_s=_num(data, "health_interval_s", w, d.health_interval_s, minimum=0.05),
+        upstream_connect_timeout_s=_num(
+            data, "upstream_connect_timeout_s", w, d.upstream_connect_timeout_s, minimum=0.1
+        ),
+        upstream_read_timeout_s=_num(
+            data, "upstream_read_timeout_s", w, d.upstream_read_timeout_s, minimum=0.1
+        ),
+        count_workers=_int(data, "count_workers", w, d.count_workers, minimum=0),
+        admit_on_bound=_flag(data, "admit_on_bound", w, d.admit_on_bound),
     )
 
 
@@ -224,42 +250,44 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
                        "starvation_s", "aging_tokens_per_s", "priority_header",
                        "tenant_header", "tenant_weights", "priority_by_api_key",
                        "trust_tenant_header", "fair_share_half_life_s"}, w)
-    ordering = _str(data, "ordering", w, "fifo")
+    d = QueueConfig()
+    ordering = _str(data, "ordering", w, d.ordering)
     if ordering not in ORDERINGS:
         raise ConfigError(
             f"`queue.ordering` must be one of {sorted(ORDERINGS)}. Given: {ordering!r}"
         )
-    weights = data.get("tenant_weights", {})
+    weights = data.get("tenant_weights", d.tenant_weights)
     if not isinstance(weights, Mapping) or not all(
         isinstance(v, int | float) and v > 0 for v in weights.values()
     ):
         raise ConfigError("`queue.tenant_weights` must map tenant names to numbers > 0")
-    by_key = data.get("priority_by_api_key", {})
+    by_key = data.get("priority_by_api_key", d.priority_by_api_key)
     if not isinstance(by_key, Mapping) or not all(
         isinstance(v, str) and v in PRIORITY_CLASSES for v in by_key.values()
     ):
         raise ConfigError(
             f"`queue.priority_by_api_key` must map API keys to one of {list(PRIORITY_CLASSES)}"
         )
-    trust = _flag(data, "trust_tenant_header", w, False)
-    half_life = _num(data, "fair_share_half_life_s", w, 60.0, minimum=0.0)
+    trust = _flag(data, "trust_tenant_header", w, d.trust_tenant_header)
+    half_life = _num(data, "fair_share_half_life_s", w, d.fair_share_half_life_s, minimum=0.0)
     if half_life <= 0:
         raise ConfigError(f"`queue.fair_share_half_life_s` must be > 0. Given: {half_life}")
-    default = _num(data, "default_deadline_s", w, 30.0, minimum=0.0)
-    maximum = _num(data, "max_deadline_s", w, max(120.0, default), minimum=0.0)
+    default = _num(data, "default_deadline_s", w, d.default_deadline_s, minimum=0.0)
+    # unset, the maximum rises to a larger default deadline rather than refuse it
+    maximum = _num(data, "max_deadline_s", w, max(d.max_deadline_s, default), minimum=0.0)
     if default > maximum:
         raise ConfigError(
             f"`queue.default_deadline_s` {default} exceeds `queue.max_deadline_s` {maximum}"
         )
     return QueueConfig(
-        max_depth=_int(data, "max_depth", w, 128, minimum=0),
+        max_depth=_int(data, "max_depth", w, d.max_depth, minimum=0),
         default_deadline_s=default,
         max_deadline_s=maximum,
         ordering=ordering,
-        starvation_s=_num(data, "starvation_s", w, 5.0, minimum=0.0),
-        aging_tokens_per_s=_num(data, "aging_tokens_per_s", w, 4000.0, minimum=0.0),
-        priority_header=_str(data, "priority_header", w, "x-kvgate-priority").lower(),
-        tenant_header=_str(data, "tenant_header", w, "x-kvgate-tenant").lower(),
+        starvation_s=_num(data, "starvation_s", w, d.starvation_s, minimum=0.0),
+        aging_tokens_per_s=_num(data, "aging_tokens_per_s", w, d.aging_tokens_per_s, minimum=0.0),
+        priority_header=_str(data, "priority_header", w, d.priority_header).lower(),
+        tenant_header=_str(data, "tenant_header", w, d.tenant_header).lower(),
         trust_tenant_header=trust,
         fair_share_half_life_s=half_life,
         tenant_weights={str(k): float(v) for k, v in weights.items()},
@@ -270,19 +298,20 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
 def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
     w = "ledger."
     _check_keys(data, {"kind", "url", "lease_ttl_s", "key_prefix", "refresh_interval_s"}, w)
-    kind = _str(data, "kind", w, "memory")
+    d = LedgerConfig()
+    kind = _str(data, "kind", w, d.kind)
     if kind not in ("memory", "redis"):
         raise ConfigError(f"`ledger.kind` must be 'memory' or 'redis'. Given: {kind!r}")
-    url = data.get("url")
+    url = data.get("url", d.url)
     if kind == "redis" and not (isinstance(url, str) and url.startswith(("redis://", "rediss://",
                                                                          "unix://"))):
         raise ConfigError(f"`ledger.url` must be a redis:// URL for kind 'redis'. Given: {url!r}")
     return LedgerConfig(
         kind=kind,
         url=url,
-        lease_ttl_s=_num(data, "lease_ttl_s", w, 30.0, minimum=1.0),
-        key_prefix=_str(data, "key_prefix", w, "kvgate"),
-        refresh_interval_s=_num(data, "refresh_interval_s", w, 0.5, minimum=0.01),
+        lease_ttl_s=_num(data, "lease_ttl_s", w, d.lease_ttl_s, minimum=1.0),
+        key_prefix=_str(data, "key_prefix", w, d.key_prefix),
+        refresh_interval_s=_num(data, "refresh_interval_s", w, d.refresh_interval_s, minimum=0.01),
     )
 
 
@@ -295,10 +324,11 @@ _DEPLOYMENT_KEYS = {
 
 def _deployment(
     data: Mapping[str, Any], w: str, model_path: Path, base: Path
-) -> tuple[Deployment | None, int, int, str, int | None]:
-    """-> (deployment, block_size, capacity_tokens, capacity source, max_model_len from config)."""
+) -> tuple[Deployment | None, int, int, str, int | None, bool]:
+    """-> (deployment, block_size, capacity_tokens, capacity source, max_model_len from config,
+    capacity_from_backend)."""
     _check_keys(data, _DEPLOYMENT_KEYS, w)
-    block_size = _int(data, "block_size", w, 16, minimum=1)
+    block_size = _int(data, "block_size", w, _default(Deployment, "block_size"), minimum=1)
     config_path: Path | None = None
     if "model_config" in data:
         config_path = base / _str(data, "model_config", w)
@@ -311,22 +341,25 @@ def _deployment(
             raw = json.loads(config_path.read_text(encoding="utf-8"))
             deployment = Deployment(
                 layout=layout_from_hf_config(raw),
-                cache_dtype=_str(data, "cache_dtype", w, "auto"),
-                tp=_int(data, "tp", w, 1, minimum=1),
-                pp=_int(data, "pp", w, 1, minimum=1),
+                cache_dtype=_str(data, "cache_dtype", w, _default(Deployment, "cache_dtype")),
+                tp=_int(data, "tp", w, _default(Deployment, "tp"), minimum=1),
+                pp=_int(data, "pp", w, _default(Deployment, "pp"), minimum=1),
                 block_size=block_size,
             )
             config_len = max_model_len_from_hf_config(raw)
         except (OSError, json.JSONDecodeError, ValueError) as exc:
             raise ConfigError(f"`{w}model_config` ({config_path}): {exc}") from exc
-    from_backend = _flag(data, "capacity_from_backend", w, False)
+    from_backend = _flag(
+        data, "capacity_from_backend", w, _default(ModelConfig, "capacity_from_backend")
+    )
     if from_backend and "kv_tokens" not in data and "usable_memory" not in data:
         # Nothing is admitted to a backend until its /metrics has given its capacity.
-        return deployment, block_size, 0, "backend metrics (vllm:cache_config_info)", config_len
+        source = "backend metrics (vllm:cache_config_info)"
+        return deployment, block_size, 0, source, config_len, from_backend
     if "kv_tokens" in data:
         kv_tokens = _int(data, "kv_tokens", w, None, minimum=block_size)
         capacity = kv_tokens // block_size * block_size
-        return deployment, block_size, capacity, "measured kv_tokens", config_len
+        return deployment, block_size, capacity, "measured kv_tokens", config_len, from_backend
     if deployment is None:
         raise ConfigError(
             f"`{w}kv_tokens` is required when the model has no config.json to estimate from"
@@ -349,7 +382,7 @@ def _deployment(
             weights_bytes=weights,
             gpu_memory_utilization=_num(data, "gpu_memory_utilization", w, 0.9, minimum=0.01),
             reserve_bytes=_bytes(data, "reserve_bytes", w) if "reserve_bytes" in data else None,
-            overhead=(_num(data, "overhead", w, 0.0, minimum=0.0) if "overhead" in data else None),
+            overhead=_num(data, "overhead", w, None, minimum=0.0) if "overhead" in data else None,
         )
     except ValueError as exc:
         raise ConfigError(f"`{w}`: {exc}") from exc
@@ -360,7 +393,7 @@ def _deployment(
             "per device after weights and reserve)"
         )
     source = "estimate from config.json and usable_memory"
-    return deployment, block_size, capacity, source, config_len
+    return deployment, block_size, capacity, source, config_len, from_backend
 
 
 def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
@@ -371,7 +404,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
     path = base / _str(data, "path", w)
     if not path.is_dir():
         raise ConfigError(f"`{w}path` {str(path)!r} is not a directory")
-    policy_name = _str(data, "output_policy", w, "fill")
+    policy_name = _str(data, "output_policy", w, _default(ModelConfig, "output").name)
     try:
         policy = OutputPolicyName(policy_name)
     except ValueError as exc:
@@ -391,7 +424,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             f"policy is {policy.value!r}"
         )
     output = OutputPolicy(name=policy, cap_tokens=cap_tokens)
-    placement_name = _str(data, "placement", w, "best-fit")
+    placement_name = _str(data, "placement", w, _default(ModelConfig, "placement"))
     try:
         placement = PlacementName(placement_name)
     except ValueError as exc:
@@ -399,7 +432,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             f"`{w}placement` must be one of {sorted(p.value for p in PlacementName)}. "
             f"Given: {placement_name!r}"
         ) from exc
-    reservation_name = _str(data, "reservation", w, ReservationMode.ADAPTIVE.value)
+    reservation_name = _str(data, "reservation", w, _default(ModelConfig, "reservation"))
     try:
         reservation = ReservationMode(reservation_name)
     except ValueError as exc:
@@ -409,7 +442,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         ) from exc
     adaptive = _adaptive(_table(data, "adaptive", w), f"{w}adaptive.")
     deployment_table = _table(data, "deployment", w)
-    deployment, block_size, capacity, source, config_len = _deployment(
+    deployment, block_size, capacity, source, config_len, from_backend = _deployment(
         deployment_table, f"{w}deployment.", path, base
     )
     max_len = data.get("max_model_len", config_len)
@@ -432,7 +465,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         # the client's own Authorization upstream instead of the backend's key.
         key = _str(b, "api_key", bw) if "api_key" in b else None
         try:
-            kind = engine_kind(_str(b, "kind", bw, EngineKind.VLLM.value))
+            kind = engine_kind(_str(b, "kind", bw, _default(BackendConfig, "kind")))
         except ValueError as exc:
             raise ConfigError(f"`{bw}kind`: {exc}") from exc
         backends.append(BackendConfig(
@@ -445,7 +478,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         name=name, path=path, max_model_len=max_model_len, output=output, placement=placement,
         deployment=deployment, block_size=block_size, capacity_tokens=capacity,
         capacity_source=source, backends=tuple(backends),
-        capacity_from_backend=bool(deployment_table.get("capacity_from_backend", False)),
+        capacity_from_backend=from_backend,
         reservation=reservation, adaptive=adaptive,
     )
 
@@ -453,17 +486,20 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
 def _adaptive(data: Mapping[str, Any], w: str) -> AdaptiveConfig:
     _check_keys(data, {"quantile", "min_samples", "history", "resize_interval_s",
                        "engine_poll_interval_s"}, w)
-    quantile = _num(data, "quantile", w, 0.5, minimum=0.01)
+    d = AdaptiveConfig()
+    quantile = _num(data, "quantile", w, d.quantile, minimum=0.01)
     if quantile > 1.0:
         raise ConfigError(f"`{w}quantile` must be <= 1. Given: {quantile}")
-    min_samples = _int(data, "min_samples", w, 10, minimum=1)
-    history = _int(data, "history", w, 2000, minimum=1)
+    min_samples = _int(data, "min_samples", w, d.min_samples, minimum=1)
+    history = _int(data, "history", w, d.history, minimum=1)
     if history < min_samples:
         raise ConfigError(f"`{w}history` {history} must be >= `{w}min_samples` {min_samples}")
     return AdaptiveConfig(
         quantile=quantile, min_samples=min_samples, history=history,
-        resize_interval_s=_num(data, "resize_interval_s", w, 0.1, minimum=0.01),
-        engine_poll_interval_s=_num(data, "engine_poll_interval_s", w, 0.5, minimum=0.05),
+        resize_interval_s=_num(data, "resize_interval_s", w, d.resize_interval_s, minimum=0.01),
+        engine_poll_interval_s=_num(
+            data, "engine_poll_interval_s", w, d.engine_poll_interval_s, minimum=0.05
+        ),
     )
 
 

@@ -26,7 +26,12 @@ __all__ = ["ConfigError", "layout_from_hf_config", "max_model_len_from_hf_config
 
 
 class ConfigError(ValueError):
-    """A model config lacks or contradicts what the KV formula needs."""
+    """The configuration is invalid; the message names the key.
+
+    kvgate's one configuration error, for its TOML file (`proxy.config`, which
+    re-exports it) and for a model's `config.json` lacking or contradicting what the
+    KV formula needs (here). It lives here, the lower of the two modules.
+    """
 
 
 # Defaults from transformers' configuration classes, only the KV-relevant keys.

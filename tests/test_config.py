@@ -153,3 +153,80 @@ def test_fair_share_keys_default_and_refusals() -> None:
         parse_config({**base, "queue": {"trust_tenant_header": "yes"}}, base=Path.cwd())
     with pytest.raises(ConfigError, match="`queue.fair_share_half_life_s` must be > 0"):
         parse_config({**base, "queue": {"fair_share_half_life_s": 0}}, base=Path.cwd())
+
+
+def test_one_config_error_for_the_toml_file_and_model_configs(tmp_path: Path) -> None:
+    from proxy import modelconfig
+
+    assert ConfigError is modelconfig.ConfigError
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 2}')  # no attention heads
+    with pytest.raises(ConfigError, match=r"`models\[0\]\.deployment\.model_config`"):
+        parse_config(base(path=str(model)), base=ROOT)
+
+
+def test_parsers_take_every_default_from_the_dataclasses() -> None:
+    from proxy.config import AdaptiveConfig, LedgerConfig, QueueConfig, ServerConfig
+
+    cfg = parse_config(base(), base=ROOT)
+    assert cfg.server == ServerConfig()
+    assert cfg.queue == QueueConfig()
+    assert cfg.ledger == LedgerConfig()
+    assert cfg.models[0].adaptive == AdaptiveConfig()
+
+
+def _documented_defaults() -> list[tuple[str, str, Any]]:
+    """(table, key, default) for each row of docs/configuration.md whose default is one
+    TOML literal; `table` is the heading (or the key column's header) above it."""
+    import re
+    import tomllib
+
+    rows: list[tuple[str, str, Any]] = []
+    table = ""
+    for line in (ROOT / "docs" / "configuration.md").read_text().splitlines():
+        if line.startswith("#"):
+            heading = re.search(r"`(\[[^`]+\])`", line)
+            table = heading.group(1) if heading else ""
+            continue
+        header = re.match(r"\| key \(`(\[[^`]+\])`\) \|", line)
+        if header:
+            table = header.group(1)
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if not table or len(cells) < 4 or not re.fullmatch(r"`[^`]+`", cells[2]):
+            continue
+        try:
+            default = tomllib.loads(f"v = {cells[2][1:-1]}")["v"]
+        except tomllib.TOMLDecodeError:
+            continue  # `<model>-<index>`, `<path>/config.json`: derived, not a literal
+        for key in re.findall(r"`([a-z_]+)`", cells[0]):
+            rows.append((table, key, default))
+    return rows
+
+
+def test_documented_defaults_are_the_defaults() -> None:
+    """Setting a key to its documented default changes nothing."""
+    estimate = {"usable_memory": "40GB", "params": "14.8e9"}
+
+    def config(table: str, entry: dict[str, Any]) -> dict[str, Any]:
+        model: dict[str, Any] = {"deployment": dict(estimate)}
+        if table in ("[server]", "[queue]", "[ledger]"):
+            return {**base(**model), table[1:-1]: entry}
+        if table == "[[models]]":
+            model.update(entry)
+        elif table == "[models.adaptive]":
+            model["adaptive"] = entry
+        elif table == "[models.deployment]":
+            model["deployment"].update(entry)
+        elif table == "[[models.backends]]":
+            model["backends"] = [{"name": "a", "url": "http://127.0.0.1:8001", **entry}]
+        else:
+            raise AssertionError(f"no rule for documented table {table}")
+        return base(**model)
+
+    rows = _documented_defaults()
+    assert len(rows) >= 35, rows  # the reader still finds the tables
+    for table, key, default in rows:
+        unset = parse_config(config(table, {}), base=ROOT)
+        assert parse_config(config(table, {key: default}), base=ROOT) == unset, (table, key)
