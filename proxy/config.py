@@ -7,10 +7,9 @@ against the config file's directory, so a config and its model files travel toge
 from __future__ import annotations
 
 import json
-import math
 import tomllib
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,18 @@ from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
 from policies.reservation import ReservationMode
 from proxy.capacity import Deployment, MemoryBudget
+from proxy.config_values import (
+    check_keys,
+    field_default,
+    get_bytes,
+    get_flag,
+    get_int,
+    get_num,
+    get_str,
+    get_table,
+)
 from proxy.modelconfig import ConfigError, layout_from_hf_config, max_model_len_from_hf_config
-from proxy.units import parse_bytes, parse_count
+from proxy.units import parse_count
 
 __all__ = [
     "AdaptiveConfig",
@@ -126,88 +135,16 @@ class KvgateConfig:
     source: Path | None = None
 
 
-# ----------------------------------------------------------------------------- helpers
-#
-# Every default is read from its dataclass, never typed again here: from a default
-# instance where all fields have one (`ServerConfig()`...), else with `_default`.
-
-
-def _default(cls: type[Any], name: str) -> Any:
-    """The default of dataclass `cls`'s field `name`."""
-    for f in fields(cls):
-        if f.name == name:
-            if f.default is not MISSING:
-                return f.default
-            if f.default_factory is not MISSING:
-                return f.default_factory()
-    raise LookupError(f"{cls.__name__}.{name} has no default")
-
-
-def _table(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
-    value = data.get(key, {})
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"`{where}{key}` must be a table")
-    return value
-
-
-def _check_keys(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ConfigError(
-            f"unknown key `{where}{unknown[0]}`; expected one of {sorted(allowed)}"
-        )
-
-
-def _num(
-    data: Mapping[str, Any], key: str, where: str, default: float | None, *, minimum: float
-) -> float:
-    value = data.get(key, default)
-    if value is None:
-        raise ConfigError(f"`{where}{key}` is required")
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"`{where}{key}` must be a number. Given: {value!r}")
-    if value < minimum:
-        raise ConfigError(f"`{where}{key}` must be >= {minimum}. Given: {value}")
-    return float(value)
-
-
-def _int(
-    data: Mapping[str, Any], key: str, where: str, default: int | None, *, minimum: int
-) -> int:
-    value = data.get(key, default)
-    if value is None:
-        raise ConfigError(f"`{where}{key}` is required")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"`{where}{key}` must be an integer. Given: {value!r}")
-    if value < minimum:
-        raise ConfigError(f"`{where}{key}` must be >= {minimum}. Given: {value}")
-    return value
-
-
-def _str(data: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
-    value = data.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"`{where}{key}` must be a non-empty string. Given: {value!r}")
-    return value
-
-
-def _bytes(data: Mapping[str, Any], key: str, where: str) -> int:
-    try:
-        return parse_bytes(data[key], field=f"{where}{key}")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-
-
 # ----------------------------------------------------------------------------- sections
 
 
 def _server(data: Mapping[str, Any]) -> ServerConfig:
     w = "server."
-    _check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
+    check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
                        "upstream_connect_timeout_s", "upstream_read_timeout_s",
                        "count_workers", "admit_on_bound"}, w)
     d = ServerConfig()
-    listen = _str(data, "listen", w, f"{d.host}:{d.port}")
+    listen = get_str(data, "listen", w, f"{d.host}:{d.port}")
     host, sep, port_text = listen.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ConfigError(f"`server.listen` must be HOST:PORT. Given: {listen!r}")
@@ -222,36 +159,29 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
         host=host.strip("[]") or d.host,
         port=int(port_text),
         body_limit_bytes=(
-            _bytes(data, "body_limit", w) if "body_limit" in data else d.body_limit_bytes
+            get_bytes(data, "body_limit", w) if "body_limit" in data else d.body_limit_bytes
         ),
         admin_token=token,
-        health_interval_s=_num(data, "health_interval_s", w, d.health_interval_s, minimum=0.05),
-        upstream_connect_timeout_s=_num(
+        health_interval_s=get_num(data, "health_interval_s", w, d.health_interval_s, minimum=0.05),
+        upstream_connect_timeout_s=get_num(
             data, "upstream_connect_timeout_s", w, d.upstream_connect_timeout_s, minimum=0.1
         ),
-        upstream_read_timeout_s=_num(
+        upstream_read_timeout_s=get_num(
             data, "upstream_read_timeout_s", w, d.upstream_read_timeout_s, minimum=0.1
         ),
-        count_workers=_int(data, "count_workers", w, d.count_workers, minimum=0),
-        admit_on_bound=_flag(data, "admit_on_bound", w, d.admit_on_bound),
+        count_workers=get_int(data, "count_workers", w, d.count_workers, minimum=0),
+        admit_on_bound=get_flag(data, "admit_on_bound", w, d.admit_on_bound),
     )
-
-
-def _flag(data: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
-    value = data.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"`{where}{key}` must be true or false. Given: {value!r}")
-    return value
 
 
 def _queue(data: Mapping[str, Any]) -> QueueConfig:
     w = "queue."
-    _check_keys(data, {"max_depth", "default_deadline_s", "max_deadline_s", "ordering",
+    check_keys(data, {"max_depth", "default_deadline_s", "max_deadline_s", "ordering",
                        "starvation_s", "aging_tokens_per_s", "priority_header",
                        "tenant_header", "tenant_weights", "priority_by_api_key",
                        "trust_tenant_header", "fair_share_half_life_s"}, w)
     d = QueueConfig()
-    ordering = _str(data, "ordering", w, d.ordering)
+    ordering = get_str(data, "ordering", w, d.ordering)
     if ordering not in ORDERINGS:
         raise ConfigError(
             f"`queue.ordering` must be one of {sorted(ORDERINGS)}. Given: {ordering!r}"
@@ -268,26 +198,27 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
         raise ConfigError(
             f"`queue.priority_by_api_key` must map API keys to one of {list(PRIORITY_CLASSES)}"
         )
-    trust = _flag(data, "trust_tenant_header", w, d.trust_tenant_header)
-    half_life = _num(data, "fair_share_half_life_s", w, d.fair_share_half_life_s, minimum=0.0)
+    trust = get_flag(data, "trust_tenant_header", w, d.trust_tenant_header)
+    half_life = get_num(data, "fair_share_half_life_s", w, d.fair_share_half_life_s, minimum=0.0)
     if half_life <= 0:
         raise ConfigError(f"`queue.fair_share_half_life_s` must be > 0. Given: {half_life}")
-    default = _num(data, "default_deadline_s", w, d.default_deadline_s, minimum=0.0)
+    default = get_num(data, "default_deadline_s", w, d.default_deadline_s, minimum=0.0)
     # unset, the maximum rises to a larger default deadline rather than refuse it
-    maximum = _num(data, "max_deadline_s", w, max(d.max_deadline_s, default), minimum=0.0)
+    maximum = get_num(data, "max_deadline_s", w, max(d.max_deadline_s, default), minimum=0.0)
     if default > maximum:
         raise ConfigError(
             f"`queue.default_deadline_s` {default} exceeds `queue.max_deadline_s` {maximum}"
         )
     return QueueConfig(
-        max_depth=_int(data, "max_depth", w, d.max_depth, minimum=0),
+        max_depth=get_int(data, "max_depth", w, d.max_depth, minimum=0),
         default_deadline_s=default,
         max_deadline_s=maximum,
         ordering=ordering,
-        starvation_s=_num(data, "starvation_s", w, d.starvation_s, minimum=0.0),
-        aging_tokens_per_s=_num(data, "aging_tokens_per_s", w, d.aging_tokens_per_s, minimum=0.0),
-        priority_header=_str(data, "priority_header", w, d.priority_header).lower(),
-        tenant_header=_str(data, "tenant_header", w, d.tenant_header).lower(),
+        starvation_s=get_num(data, "starvation_s", w, d.starvation_s, minimum=0.0),
+        aging_tokens_per_s=get_num(data, "aging_tokens_per_s", w, d.aging_tokens_per_s,
+                                   minimum=0.0),
+        priority_header=get_str(data, "priority_header", w, d.priority_header).lower(),
+        tenant_header=get_str(data, "tenant_header", w, d.tenant_header).lower(),
         trust_tenant_header=trust,
         fair_share_half_life_s=half_life,
         tenant_weights={str(k): float(v) for k, v in weights.items()},
@@ -297,9 +228,9 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
 
 def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
     w = "ledger."
-    _check_keys(data, {"kind", "url", "lease_ttl_s", "key_prefix", "refresh_interval_s"}, w)
+    check_keys(data, {"kind", "url", "lease_ttl_s", "key_prefix", "refresh_interval_s"}, w)
     d = LedgerConfig()
-    kind = _str(data, "kind", w, d.kind)
+    kind = get_str(data, "kind", w, d.kind)
     if kind not in ("memory", "redis"):
         raise ConfigError(f"`ledger.kind` must be 'memory' or 'redis'. Given: {kind!r}")
     url = data.get("url", d.url)
@@ -309,9 +240,10 @@ def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
     return LedgerConfig(
         kind=kind,
         url=url,
-        lease_ttl_s=_num(data, "lease_ttl_s", w, d.lease_ttl_s, minimum=1.0),
-        key_prefix=_str(data, "key_prefix", w, d.key_prefix),
-        refresh_interval_s=_num(data, "refresh_interval_s", w, d.refresh_interval_s, minimum=0.01),
+        lease_ttl_s=get_num(data, "lease_ttl_s", w, d.lease_ttl_s, minimum=1.0),
+        key_prefix=get_str(data, "key_prefix", w, d.key_prefix),
+        refresh_interval_s=get_num(data, "refresh_interval_s", w, d.refresh_interval_s,
+                                   minimum=0.01),
     )
 
 
@@ -327,11 +259,11 @@ def _deployment(
 ) -> tuple[Deployment | None, int, int, str, int | None, bool]:
     """-> (deployment, block_size, capacity_tokens, capacity source, max_model_len from config,
     capacity_from_backend)."""
-    _check_keys(data, _DEPLOYMENT_KEYS, w)
-    block_size = _int(data, "block_size", w, _default(Deployment, "block_size"), minimum=1)
+    check_keys(data, _DEPLOYMENT_KEYS, w)
+    block_size = get_int(data, "block_size", w, field_default(Deployment, "block_size"), minimum=1)
     config_path: Path | None = None
     if "model_config" in data:
-        config_path = base / _str(data, "model_config", w)
+        config_path = base / get_str(data, "model_config", w)
     elif (model_path / "config.json").is_file():
         config_path = model_path / "config.json"
     deployment: Deployment | None = None
@@ -341,23 +273,24 @@ def _deployment(
             raw = json.loads(config_path.read_text(encoding="utf-8"))
             deployment = Deployment(
                 layout=layout_from_hf_config(raw),
-                cache_dtype=_str(data, "cache_dtype", w, _default(Deployment, "cache_dtype")),
-                tp=_int(data, "tp", w, _default(Deployment, "tp"), minimum=1),
-                pp=_int(data, "pp", w, _default(Deployment, "pp"), minimum=1),
+                cache_dtype=get_str(data, "cache_dtype", w,
+                                    field_default(Deployment, "cache_dtype")),
+                tp=get_int(data, "tp", w, field_default(Deployment, "tp"), minimum=1),
+                pp=get_int(data, "pp", w, field_default(Deployment, "pp"), minimum=1),
                 block_size=block_size,
             )
             config_len = max_model_len_from_hf_config(raw)
         except (OSError, json.JSONDecodeError, ValueError) as exc:
             raise ConfigError(f"`{w}model_config` ({config_path}): {exc}") from exc
-    from_backend = _flag(
-        data, "capacity_from_backend", w, _default(ModelConfig, "capacity_from_backend")
+    from_backend = get_flag(
+        data, "capacity_from_backend", w, field_default(ModelConfig, "capacity_from_backend")
     )
     if from_backend and "kv_tokens" not in data and "usable_memory" not in data:
         # Nothing is admitted to a backend until its /metrics has given its capacity.
         source = "backend metrics (vllm:cache_config_info)"
         return deployment, block_size, 0, source, config_len, from_backend
     if "kv_tokens" in data:
-        kv_tokens = _int(data, "kv_tokens", w, None, minimum=block_size)
+        kv_tokens = get_int(data, "kv_tokens", w, None, minimum=block_size)
         capacity = kv_tokens // block_size * block_size
         return deployment, block_size, capacity, "measured kv_tokens", config_len, from_backend
     if deployment is None:
@@ -367,22 +300,23 @@ def _deployment(
     if "usable_memory" not in data:
         raise ConfigError(f"`{w}usable_memory` (or a measured `{w}kv_tokens`) is required")
     if "weights_bytes" in data:
-        weights = _bytes(data, "weights_bytes", w)
+        weights = get_bytes(data, "weights_bytes", w)
     elif "params" in data:
         try:
             params = parse_count(data["params"], field=f"{w}params")
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        weights = (params * _int(data, "weight_bits", w, 16, minimum=1) + 7) // 8
+        weights = (params * get_int(data, "weight_bits", w, 16, minimum=1) + 7) // 8
     else:
         raise ConfigError(f"`{w}weights_bytes` or `{w}params` is required to estimate capacity")
     try:
         budget = MemoryBudget(
-            usable_bytes=_bytes(data, "usable_memory", w),
+            usable_bytes=get_bytes(data, "usable_memory", w),
             weights_bytes=weights,
-            gpu_memory_utilization=_num(data, "gpu_memory_utilization", w, 0.9, minimum=0.01),
-            reserve_bytes=_bytes(data, "reserve_bytes", w) if "reserve_bytes" in data else None,
-            overhead=_num(data, "overhead", w, None, minimum=0.0) if "overhead" in data else None,
+            gpu_memory_utilization=get_num(data, "gpu_memory_utilization", w, 0.9, minimum=0.01),
+            reserve_bytes=get_bytes(data, "reserve_bytes", w) if "reserve_bytes" in data else None,
+            overhead=(get_num(data, "overhead", w, None, minimum=0.0) if "overhead" in data
+                      else None),
         )
     except ValueError as exc:
         raise ConfigError(f"`{w}`: {exc}") from exc
@@ -398,13 +332,13 @@ def _deployment(
 
 def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
     w = f"models[{i}]."
-    _check_keys(data, {"name", "path", "max_model_len", "output_policy", "output_cap_tokens",
+    check_keys(data, {"name", "path", "max_model_len", "output_policy", "output_cap_tokens",
                        "placement", "deployment", "backends", "reservation", "adaptive"}, w)
-    name = _str(data, "name", w)
-    path = base / _str(data, "path", w)
+    name = get_str(data, "name", w)
+    path = base / get_str(data, "path", w)
     if not path.is_dir():
         raise ConfigError(f"`{w}path` {str(path)!r} is not a directory")
-    policy_name = _str(data, "output_policy", w, _default(ModelConfig, "output").name)
+    policy_name = get_str(data, "output_policy", w, field_default(ModelConfig, "output").name)
     try:
         policy = OutputPolicyName(policy_name)
     except ValueError as exc:
@@ -416,7 +350,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
     if policy is OutputPolicyName.CAP:
         if "output_cap_tokens" not in data:
             raise ConfigError(f"`{w}output_policy` `cap` needs `{w}output_cap_tokens` >= 1")
-        cap_tokens = _int(data, "output_cap_tokens", w, None, minimum=1)
+        cap_tokens = get_int(data, "output_cap_tokens", w, None, minimum=1)
     elif "output_cap_tokens" in data:
         # silently ignored, it would look like a cap that is not applied
         raise ConfigError(
@@ -424,7 +358,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             f"policy is {policy.value!r}"
         )
     output = OutputPolicy(name=policy, cap_tokens=cap_tokens)
-    placement_name = _str(data, "placement", w, _default(ModelConfig, "placement"))
+    placement_name = get_str(data, "placement", w, field_default(ModelConfig, "placement"))
     try:
         placement = PlacementName(placement_name)
     except ValueError as exc:
@@ -432,7 +366,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             f"`{w}placement` must be one of {sorted(p.value for p in PlacementName)}. "
             f"Given: {placement_name!r}"
         ) from exc
-    reservation_name = _str(data, "reservation", w, _default(ModelConfig, "reservation"))
+    reservation_name = get_str(data, "reservation", w, field_default(ModelConfig, "reservation"))
     try:
         reservation = ReservationMode(reservation_name)
     except ValueError as exc:
@@ -440,15 +374,15 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             f"`{w}reservation` must be one of {sorted(m.value for m in ReservationMode)}. "
             f"Given: {reservation_name!r}"
         ) from exc
-    adaptive = _adaptive(_table(data, "adaptive", w), f"{w}adaptive.")
-    deployment_table = _table(data, "deployment", w)
+    adaptive = _adaptive(get_table(data, "adaptive", w), f"{w}adaptive.")
+    deployment_table = get_table(data, "deployment", w)
     deployment, block_size, capacity, source, config_len, from_backend = _deployment(
         deployment_table, f"{w}deployment.", path, base
     )
     max_len = data.get("max_model_len", config_len)
     if max_len is None:
         raise ConfigError(f"`{w}max_model_len` is required (no config.json gives it)")
-    max_model_len = _int({"max_model_len": max_len}, "max_model_len", w, None, minimum=1)
+    max_model_len = get_int({"max_model_len": max_len}, "max_model_len", w, None, minimum=1)
     backends_raw = data.get("backends")
     if not isinstance(backends_raw, list) or not backends_raw:
         raise ConfigError(f"`{w}backends` must list at least one backend")
@@ -457,19 +391,19 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         bw = f"{w}backends[{j}]."
         if not isinstance(b, Mapping):
             raise ConfigError(f"`{bw[:-1]}` must be a table")
-        _check_keys(b, {"name", "url", "api_key", "kind"}, bw)
-        url = _str(b, "url", bw)
+        check_keys(b, {"name", "url", "api_key", "kind"}, bw)
+        url = get_str(b, "url", bw)
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"`{bw}url` must start with http:// or https://. Given: {url!r}")
         # Anything but a non-empty string is refused: dropping it silently would send
         # the client's own Authorization upstream instead of the backend's key.
-        key = _str(b, "api_key", bw) if "api_key" in b else None
+        key = get_str(b, "api_key", bw) if "api_key" in b else None
         try:
-            kind = engine_kind(_str(b, "kind", bw, _default(BackendConfig, "kind")))
+            kind = engine_kind(get_str(b, "kind", bw, field_default(BackendConfig, "kind")))
         except ValueError as exc:
             raise ConfigError(f"`{bw}kind`: {exc}") from exc
         backends.append(BackendConfig(
-            name=_str(b, "name", bw, f"{name}-{j}"), url=url, api_key=key, kind=kind,
+            name=get_str(b, "name", bw, f"{name}-{j}"), url=url, api_key=key, kind=kind,
         ))
     names = [b.name for b in backends]
     if len(set(names)) != len(names):
@@ -484,20 +418,20 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
 
 
 def _adaptive(data: Mapping[str, Any], w: str) -> AdaptiveConfig:
-    _check_keys(data, {"quantile", "min_samples", "history", "resize_interval_s",
+    check_keys(data, {"quantile", "min_samples", "history", "resize_interval_s",
                        "engine_poll_interval_s"}, w)
     d = AdaptiveConfig()
-    quantile = _num(data, "quantile", w, d.quantile, minimum=0.01)
+    quantile = get_num(data, "quantile", w, d.quantile, minimum=0.01)
     if quantile > 1.0:
         raise ConfigError(f"`{w}quantile` must be <= 1. Given: {quantile}")
-    min_samples = _int(data, "min_samples", w, d.min_samples, minimum=1)
-    history = _int(data, "history", w, d.history, minimum=1)
+    min_samples = get_int(data, "min_samples", w, d.min_samples, minimum=1)
+    history = get_int(data, "history", w, d.history, minimum=1)
     if history < min_samples:
         raise ConfigError(f"`{w}history` {history} must be >= `{w}min_samples` {min_samples}")
     return AdaptiveConfig(
         quantile=quantile, min_samples=min_samples, history=history,
-        resize_interval_s=_num(data, "resize_interval_s", w, d.resize_interval_s, minimum=0.01),
-        engine_poll_interval_s=_num(
+        resize_interval_s=get_num(data, "resize_interval_s", w, d.resize_interval_s, minimum=0.01),
+        engine_poll_interval_s=get_num(
             data, "engine_poll_interval_s", w, d.engine_poll_interval_s, minimum=0.05
         ),
     )
@@ -506,7 +440,7 @@ def _adaptive(data: Mapping[str, Any], w: str) -> AdaptiveConfig:
 def parse_config(
     data: Mapping[str, Any], *, base: Path, source: Path | None = None
 ) -> KvgateConfig:
-    _check_keys(data, {"server", "queue", "ledger", "models"}, "")
+    check_keys(data, {"server", "queue", "ledger", "models"}, "")
     models_raw = data.get("models")
     if not isinstance(models_raw, list) or not models_raw:
         raise ConfigError("`models` must list at least one [[models]] table")
@@ -520,9 +454,9 @@ def parse_config(
     if len(set(backend_names)) != len(backend_names):
         raise ConfigError(f"backend names must be unique across models. Given: {backend_names}")
     return KvgateConfig(
-        server=_server(_table(data, "server", "")),
-        queue=_queue(_table(data, "queue", "")),
-        ledger=_ledger(_table(data, "ledger", "")),
+        server=_server(get_table(data, "server", "")),
+        queue=_queue(get_table(data, "queue", "")),
+        ledger=_ledger(get_table(data, "ledger", "")),
         models=models,
         source=source,
     )
