@@ -214,6 +214,8 @@ class Gate:
                tenant: str = "") -> tuple[Demand, int | None]:
         """Output reservation and context check per prompt; -> (demand, max_tokens to set).
 
+        Only a prompt that fills the context is refused; a max_tokens past the context's
+        end is forwarded unchanged and reserved up to that end, as the engines serve it.
         The body carries one max_tokens for all its prompts: when the output policy caps
         any of them, every prompt is forwarded with that cap, so every prompt reserves it
         and must fit the context with it.
@@ -241,10 +243,14 @@ class Gate:
         reserve_out = 0
         for prompt_tokens, decision in zip(prompts, decisions, strict=True):
             out = decision.max_tokens if set_to is None else set_to
-            if prompt_tokens + out > cfg.max_model_len or out < 1:
+            room = cfg.max_model_len - prompt_tokens
+            if room < 1 or out < 1:  # the prompt alone leaves no room for one token
                 raise ContextLengthExceeded(
                     max_model_len=cfg.max_model_len, prompt_tokens=prompt_tokens, max_tokens=out,
                 )
+            # vLLM and llama.cpp take prompt + max_tokens over the context and stop at its
+            # end (finish_reason "length"): the request can hold no more than that.
+            out = min(out, room)
             reserve_out = max(reserve_out, out)
             if self.tracker is not None:
                 total += self.tracker.lease_tokens(

@@ -350,8 +350,9 @@ class _Replay:
         prompt = spec.prompt_tokens
         engine = self.engines[admitted.lease.backend.name]
         engine_max = requested if admitted.output_cap is None else admitted.output_cap
-        if engine_max is None:
-            engine_max = max(0, self.s.max_model_len - prompt)  # chat: fill the context
+        # Without max_tokens a chat fills the context; with it, the engine stops there too.
+        room = max(0, self.s.max_model_len - prompt)
+        engine_max = room if engine_max is None else min(engine_max, room)
         if not engine.fits_ever(prompt, engine_max):
             return _EngineRun(status=400)
         sink = _StreamSink(admitted.progress, self.loop.time)

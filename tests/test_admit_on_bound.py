@@ -142,8 +142,10 @@ def test_without_room_for_the_bound_the_exact_count_admits() -> None:
 
 
 def test_the_context_check_is_made_on_the_exact_count() -> None:
-    """bound + max_tokens over the context but exact + max_tokens within: admitted;
-    exact + max_tokens over: a 400 that names the exact prompt count."""
+    """bound + max_tokens over the context but exact + max_tokens within: admitted and
+    reserved on the exact count; exact + max_tokens over: still served (the engine stops
+    at the context's end), reserved up to that end; a prompt that fills the context
+    alone is a 400 that names the exact count."""
     messages = ascii_chat(1200)
     exact = hf_count(hf_tokenizer(MODELS / MODEL), {"messages": messages})
 
@@ -156,12 +158,21 @@ def test_the_context_check_is_made_on_the_exact_count() -> None:
             async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-kvgate-prompt-tokens"] == str(exact)
-            body["max_tokens"] = fits + 1
+                assert resp.headers["x-kvgate-reserved-tokens"] == "8192"
+            body["max_tokens"] = fits + 1000
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvgate-prompt-tokens"] == str(exact)
+                assert resp.headers["x-kvgate-reserved-tokens"] == "8192"
+            long = [{"role": "user", "content": "word " * 8300}]
+            exact_long = hf_count(hf_tokenizer(MODELS / MODEL), {"messages": long})
+            assert exact_long >= 8192
+            body = {"model": MODEL, "messages": long, "max_tokens": 5}
             async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 400
                 error = (await resp.json())["error"]
                 assert error["code"] == "context_length_exceeded"
-                assert f"({exact} in the messages, {fits + 1} in the completion)" \
+                assert f"({exact_long} in the messages, 5 in the completion)" \
                     in error["message"]
             await settle(stack)
 

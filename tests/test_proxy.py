@@ -75,9 +75,10 @@ def test_sdk_raises_matching_exceptions_with_our_codes() -> None:
     async def scenario() -> None:
         async with running_stack() as stack:
             sdk = client(stack)
+            too_long = [{"role": "user", "content": "word " * 9000}]  # > 8192 tokens alone
             with pytest.raises(openai.BadRequestError) as bad:
-                await sdk.chat.completions.create(model=MODEL, messages=MSGS,  # type: ignore[arg-type]
-                                                  max_tokens=9000)
+                await sdk.chat.completions.create(model=MODEL, messages=too_long,  # type: ignore[arg-type]
+                                                  max_tokens=10)
             assert bad.value.code == "context_length_exceeded"
             assert "maximum context length is 8192 tokens" in bad.value.message
             assert bad.value.response.headers["x-should-retry"] == "false"
@@ -132,8 +133,11 @@ def test_queue_full_and_timeout_are_429_with_retry_after() -> None:
          "invalid_request"),
         (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": "ten"}).encode(), 400,
          "invalid_request"),
-        (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 10**12}).encode(), 400,
-         "context_length_exceeded"),
+        # past the context's end: reserved up to that end, more than the pool ever holds
+        (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 10**12}).encode(), 413,
+         "request_too_large"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}],
+                     "max_tokens": 1}).encode(), 400, "context_length_exceeded"),
         (json.dumps({"model": MODEL, "messages": MSGS, "stream": "yes"}).encode(), 400,
          "invalid_request"),
         (json.dumps({"model": "gpt-5", "messages": MSGS}).encode(), 404, "model_not_found"),
@@ -588,10 +592,11 @@ def test_completions_without_max_tokens_reserve_the_engines_default(
 def test_a_cap_forwarded_for_several_prompts_is_reserved_and_checked_for_each() -> None:
     """One body carries one max_tokens for all its prompts. With `cap` in front of an
     engine that runs to the context's end, a short prompt is capped and a long one is
-    not: the cap is forwarded for both, so both reserve it, and a prompt that cannot
-    fit it is a 400 whatever its place in the list."""
-    long_prompt = "word " * 7400
-    mid_prompt = "word " * 3000
+    not: the cap is forwarded for both, so each reserves it up to its context's end
+    (where the engine stops), and a prompt that fills the context alone is a 400
+    whatever its place in the list."""
+    long_prompt = "word " * 7400  # with the cap of 1000: past the context's end
+    too_long = "word " * 8300  # fills the context alone
 
     async def scenario() -> None:
         model = {"output_policy": "cap", "output_cap_tokens": 1000}
@@ -599,23 +604,24 @@ def test_a_cap_forwarded_for_several_prompts_is_reserved_and_checked_for_each() 
                                  backend={"kind": "llama.cpp"}) as stack, \
                 aiohttp.ClientSession() as s:
             url = f"{stack.url}/v1/completions"
-            for prompts in (["Hi", long_prompt], [long_prompt, "Hi"]):
+            for prompts in (["Hi", too_long], [too_long, "Hi"]):
                 async with s.post(url, json={"model": MODEL, "prompt": prompts}) as resp:
                     data = await resp.json()
                     assert resp.status == 400, data
                     assert data["error"]["code"] == "context_length_exceeded"
             counts = []
-            for prompt in ("Hi", mid_prompt):
+            for prompt in ("Hi", long_prompt):
                 async with s.post(url, json={"model": MODEL, "prompt": prompt,
                                              "max_tokens": 1}) as resp:
                     assert resp.status == 200, await resp.text()
                     counts.append(int(resp.headers["x-kvgate-prompt-tokens"]))
-            body = {"model": MODEL, "prompt": ["Hi", mid_prompt]}
-            async with s.post(url, json=body) as resp:
+            assert counts[1] + 1000 > 8192  # the cap runs past the context's end
+            async with s.post(url, json={"model": MODEL, "prompt": ["Hi", long_prompt]}) \
+                    as resp:
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-kvgate-output-cap"] == "1000"
                 reserved = int(resp.headers["x-kvgate-reserved-tokens"])
-            assert reserved == sum(-(-(c + 1000) // 16) * 16 for c in counts)
+            assert reserved == -(-(counts[0] + 1000) // 16) * 16 + 8192
             await settle(stack)
 
     asyncio.run(scenario())

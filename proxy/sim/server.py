@@ -143,12 +143,14 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
     out: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
     for p_tokens in prompts:
         max_tokens = _max_tokens(req, p_tokens, settings)
-        if p_tokens + max_tokens > settings.max_model_len or max_tokens < 1:
+        room = settings.max_model_len - p_tokens
+        if room < 1 or max_tokens < 1:  # vLLM refuses only a prompt that fills the context
             return _error(InvalidRequest(
                 f"This model's maximum context length is {settings.max_model_len} tokens. "
                 f"However, you requested {p_tokens + max_tokens} tokens ({p_tokens} in the "
                 f"messages, {max_tokens} in the completion). Please reduce the length of the "
                 "messages or completion.", param="messages"))
+        max_tokens = min(max_tokens, room)  # ... and stops the rest at the context's end
         if stopping.min_tokens > max_tokens:
             return _error(InvalidRequest(
                 f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
