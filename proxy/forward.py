@@ -90,12 +90,14 @@ async def _post(
 ) -> aiohttp.ClientResponse:
     """POST; sent again only where it failed on a reused connection before its answer.
 
-    Such a request never reached the engine: the connection was dead before it left.
-    Each resend takes a connection as the pool gives it, and stops at the first that
-    answers or fails otherwise. A failure on a fresh connection, a timeout, or any
-    failure once the status line and headers are in, may follow a request the engine
-    read: that POST is never sent twice. (A session without `make_session`'s trace
-    config reports no reuse, so nothing is resent through it.)
+    Such a request is taken as never read: the connection was dead before it left. (A
+    backend that read it and hung up without a byte looks the same from here; it gets
+    the request again, once per pooled connection it drops so.) Each resend takes a
+    connection as the pool gives it, and stops at the first that answers or fails
+    otherwise. A failure on a fresh connection, a timeout, or any failure once the
+    status line and headers are in, may follow a request the engine read: that POST is
+    never sent twice. (A session without `make_session`'s trace config reports no
+    reuse, so nothing is resent through it.)
     """
     retries = 0
     while True:
