@@ -9,9 +9,11 @@ it, an event-stream ends with an SSE `error` event, never a fake `[DONE]`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
@@ -22,6 +24,8 @@ from proxy.errors import UpstreamError
 __all__ = ["ClientDisconnected", "Forwarded", "forward", "make_session",
            "map_upstream_errors"]
 
+_log = logging.getLogger("kvgate")
+
 _BODY_HEADERS = frozenset({"content-type", "content-encoding"})
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -30,12 +34,83 @@ HOP_BY_HOP = frozenset({
 
 
 def make_session(*, connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
-    """No total timeout: a long generation is not an error. Idle reads and connects are."""
+    """No total timeout: a long generation is not an error. Idle reads and connects are.
+
+    Its trace config tells `_post` which requests went out on a pooled connection."""
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
     )
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+    reuse = aiohttp.TraceConfig()
+    reuse.on_connection_reuseconn.append(_on_reuse)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False,
+                                 trace_configs=[reuse])
+
+
+class _Attempt:
+    """One send of a POST, as its `trace_request_ctx`: did it get a pooled connection?"""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(
+    session: aiohttp.ClientSession, ctx: SimpleNamespace,
+    params: aiohttp.TraceConnectionReuseconnParams,
+) -> None:
+    # Sent by the connector as it hands out a pooled connection, before the request
+    # is written; never for a connection it has just opened.
+    attempt = ctx.trace_request_ctx
+    if isinstance(attempt, _Attempt):
+        attempt.reused = True
+
+
+# Several pooled connections can be dead at once (answers that ended together), and a
+# send on each fails the same way; past this many resends the last failure stands.
+_STALE_RETRIES = 4
+
+
+def _stale(exc: aiohttp.ClientConnectionError) -> bool:
+    """The failure of a send on a pooled connection the backend had already closed, its
+    FIN not yet read (llama-server closes after every streamed answer; any server ends
+    idle keep-alive connections): the write fails (`ClientOSError`, or a
+    `ConnectionResetError` that is also a client error: "Cannot write to closing
+    transport") or the connection ends before the status line (`ServerDisconnectedError`).
+    A connect error (`ClientConnectorError`, a `ClientOSError`) cannot follow a reuse; a
+    timeout is never taken for one."""
+    return (isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError
+                       | ConnectionResetError)
+            and not isinstance(exc, aiohttp.ClientConnectorError))
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: CIMultiDict[str],
+    backend: str,
+) -> aiohttp.ClientResponse:
+    """POST; sent again only where it failed on a reused connection before its answer.
+
+    Such a request is taken as never read: the connection was dead before it left. (A
+    backend that read it and hung up without a byte looks the same from here; it gets
+    the request again, once per pooled connection it drops so.) Each resend takes a
+    connection as the pool gives it, and stops at the first that answers or fails
+    otherwise. A failure on a fresh connection, a timeout, or any failure once the
+    status line and headers are in, may follow a request the engine read: that POST is
+    never sent twice. (A session without `make_session`'s trace config reports no
+    reuse, so nothing is resent through it.)
+    """
+    retries = 0
+    while True:
+        attempt = _Attempt()
+        try:
+            return await session.post(url, data=body, headers=headers,
+                                      trace_request_ctx=attempt)
+        except aiohttp.ClientConnectionError as exc:
+            if not (attempt.reused and _stale(exc)) or retries == _STALE_RETRIES:
+                raise
+            _log.debug("backend %s: stale pooled connection (%r), sending again", backend, exc)
+        retries += 1
 
 
 @contextlib.contextmanager
@@ -110,7 +185,7 @@ async def forward(
     started = time.perf_counter()
     headers = _request_headers(request.headers, api_key)
     with map_upstream_errors(backend_name):
-        upstream = await session.post(url, data=body, headers=headers)
+        upstream = await _post(session, url, body, headers, backend_name)
     first_byte_s: float | None = None
     try:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)

@@ -112,6 +112,37 @@ def test_client_behaviours_on_the_wire() -> None:
     assert all("max_tokens" not in b for b in by_behaviour[Behaviour.NONE])
 
 
+def test_ttft_and_the_give_up_take_the_first_token_not_the_role_chunk() -> None:
+    """A backend that sends its headers and role chunk at once and its first token
+    0.3 s later: the TTFT is the token's, and a client that gives up after 0.15 s
+    without a token gives up, role chunk or not."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant",'
+                         b'"content":""}}]}\n\n')
+        await asyncio.sleep(0.3)
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    specs = [RequestSpec(arrival_s=0.0, prompt_tokens=40, output_tokens=1)]
+    builder = PromptBuilder(load_counter(QWEN))
+
+    async def scenario() -> None:
+        async with fake_backend(chat) as base:
+            patient = await run_open_loop([base], specs, builder, hard_stop_s=5,
+                                          behaviour=Behaviour.NONE)
+            hasty = await run_open_loop([base], specs, builder, hard_stop_s=5,
+                                        give_up_s=0.15, behaviour=Behaviour.NONE)
+        [done], [abandoned] = patient.results, hasty.results
+        assert done.ok and done.ttft_s is not None and done.ttft_s >= 0.3
+        assert abandoned.code == ABANDONED and abandoned.ttft_s is None
+
+    asyncio.run(scenario())
+
+
 def test_direct_timeout_client_abandons_and_the_engine_frees_its_place() -> None:
     """A waiting request given up at the deadline closes its connection and never runs."""
     builder = PromptBuilder(load_counter(QWEN))

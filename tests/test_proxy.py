@@ -287,7 +287,10 @@ def test_upstream_down_before_first_byte_is_502_and_releases() -> None:
                               json={"model": MODEL, "messages": MSGS, "max_tokens": 5}) as resp:
                 data = await resp.json()
                 assert (resp.status, data["error"]["code"]) == (502, "upstream_error"), data
-            assert calls == [1]  # it reached the backend: a reservation was held
+            # it reached the backend: a reservation was held. Twice where the first send
+            # went out on the health probe's pooled connection: a request lost on a
+            # reused connection goes again on another (tests/test_forward_retry.py)
+            assert calls in ([1], [1, 1])
             assert stack.resident() == {"sim-0": 0}
             assert stack.state.ledger.lease_count("sim-0") == 0
             assert stack.state.backends()[0].inflight == 0

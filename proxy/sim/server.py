@@ -224,6 +224,10 @@ async def _stream(
     request: web.Request, req: ValidRequest, seqs: list[Sequence],
     out: asyncio.Queue[tuple[int, int | None]], rid: str, prompt_tokens: int,
 ) -> web.StreamResponse:
+    """vLLM's stream: its headers go at once (Starlette's StreamingResponse sends them
+    before it asks the generator for a chunk), its body with the first engine output:
+    the role chunk waits for the first token and leaves with it, so nothing of the body
+    reaches a client while the request waits in the engine or prefills."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -236,9 +240,9 @@ async def _stream(
                 "choices": choices, **extra}
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
-    if chat:
-        await resp.write(chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None} for s in seqs]))
+    # written in front of the first event, in the same write
+    first = chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None} for s in seqs]) if chat else b""
     sent = dict.fromkeys((s.index for s in seqs), 0)
     by_index = {s.index: s for s in seqs}
     async for index, generated in _drain(seqs, out):
@@ -246,14 +250,16 @@ async def _stream(
             seq = by_index[index]
             reason = str(seq.finish_reason or FinishReason.STOP)
             piece: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
-            await resp.write(chunk([{"index": index, **piece, "logprobs": None,
-                                     "finish_reason": reason}]))
-            continue
-        text = _text(sent[index], generated)
-        sent[index] = generated
-        piece = {"delta": {"content": text}} if chat else {"text": text}
-        await resp.write(chunk([{"index": index, **piece, "logprobs": None,
-                                 "finish_reason": None}]))
+            event = chunk([{"index": index, **piece, "logprobs": None,
+                            "finish_reason": reason}])
+        else:
+            text = _text(sent[index], generated)
+            sent[index] = generated
+            piece = {"delta": {"content": text}} if chat else {"text": text}
+            event = chunk([{"index": index, **piece, "logprobs": None,
+                            "finish_reason": None}])
+        await resp.write(first + event)
+        first = b""
     options = req.body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):
         await resp.write(chunk([], usage=_usage(prompt_tokens, seqs)))
