@@ -21,8 +21,10 @@ __all__ = ["AdminViews", "bearer_token"]
 
 
 def bearer_token(request: web.Request) -> str:
-    """The token of `Authorization: Bearer <token>`, or "" (the one place it is parsed)."""
-    return request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    """The token of `Authorization: Bearer <token>` (the scheme in any case), or "";
+    the one place it is parsed. Another scheme, or none, is no token."""
+    scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 class AdminViews:

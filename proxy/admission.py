@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
-from policies.ordering import Ordering, WaiterView, make_ordering
+from policies.ordering import PRIORITY_CLASSES, Ordering, WaiterView, make_ordering
 from policies.placement import BackendRoom, PlacementName, rank_backends
 from proxy.config import QueueConfig
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
+from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
 from proxy.release_rate import ReleaseRate
 
@@ -37,99 +38,6 @@ __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "
 # random-number system call per lease, as uuid4() makes.
 _LEASE_PREFIX = secrets.token_hex(8)
 _lease_seq = itertools.count(1)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Demand:
-    """What one request will hold: ledger tokens, and the numbers behind them."""
-
-    tokens: int
-    prompt_tokens: int
-    max_tokens: int
-    n: int = 1
-    priority: str = ""
-    tenant: str = ""
-    min_tokens: int = 0
-    follow: bool = False  # an adaptive lease: sized from history, resized as it runs
-
-
-class Backend:
-    """A backend's capacity and live health, as the controller sees it.
-
-    Read by anyone, written only by its `AdmissionController` (`set_capacity`,
-    `set_healthy`, `set_target_factor`, and the leases it grants): every change that
-    can open room then wakes the queue in the one place that knows about it.
-    """
-
-    __slots__ = ("_capacity_tokens", "_healthy", "_inflight", "_target_factor", "api_key",
-                 "name", "url")
-
-    def __init__(self, *, name: str, url: str, capacity_tokens: int, api_key: str | None = None):
-        self.name = name
-        self.url = url.rstrip("/")
-        self.api_key = api_key
-        self._capacity_tokens = capacity_tokens
-        self._healthy = capacity_tokens > 0  # unknown capacity: not ready yet
-        self._inflight = 0
-        # The share of capacity new admissions may fill (adaptive reservation moves
-        # it from the engine's own figures); growth of live leases may use it all.
-        self._target_factor = 1.0
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self._capacity_tokens
-
-    @property
-    def healthy(self) -> bool:
-        return self._healthy
-
-    @property
-    def inflight(self) -> int:
-        """Leases this process holds on the backend now."""
-        return self._inflight
-
-    @property
-    def target_factor(self) -> float:
-        return self._target_factor
-
-    @property
-    def target_tokens(self) -> int:
-        return int(self._capacity_tokens * self._target_factor)
-
-
-class Lease:
-    """Tokens held on one backend until `release()`; releasing twice is a no-op."""
-
-    def __init__(
-        self,
-        *,
-        lease_id: str,
-        backend: Backend,
-        demand: Demand,
-        on_release: Callable[[Lease], None],
-    ) -> None:
-        self.lease_id = lease_id
-        self.backend = backend
-        self.demand = demand
-        self.tokens = demand.tokens  # what the ledger holds now; adaptive leases resize
-        self.wanted_tokens = demand.tokens  # what the lease asked for at its last resize
-        self._on_release = on_release
-        self._released = False
-
-    @property
-    def shortfall_tokens(self) -> int:
-        """Tokens a live lease wanted to grow by but found no room for."""
-        return max(0, self.wanted_tokens - self.tokens)
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        self._on_release(self)
 
 
 class _Waiter:
@@ -158,6 +66,7 @@ class AdmissionController:
         ordering: Ordering,
         placement: PlacementName = PlacementName.BEST_FIT,
         max_queue_depth: int = 128,
+        max_depth_by_priority: Mapping[str, int] | None = None,
         starvation_s: float = 5.0,
         on_event: Callable[[str, Lease | None], None] | None = None,
     ) -> None:
@@ -170,6 +79,7 @@ class AdmissionController:
         self._ordering = ordering
         self._placement = placement
         self._max_depth = max_queue_depth
+        self._class_depths = dict(max_depth_by_priority or {})
         self._starvation_s = starvation_s
         self._waiters: list[_Waiter] = []
         self._seq = itertools.count()
@@ -276,7 +186,14 @@ class AdmissionController:
             lease = await self._admit_now(demand)
             if lease is not None:
                 return lease
-        if len(self._waiters) >= self._max_depth:
+        class_depth = self._class_depths.get(demand.priority)
+        if class_depth is not None and self._waiting_in(demand.priority) >= class_depth:
+            raise QueueFull(
+                f"queue for model {self.model!r} holds its most of class "
+                f"{demand.priority!r} ({class_depth} waiting)",
+                retry_after_s=self.retry_after_s(demand.tokens),
+            )
+        if len(self._waiters) >= self._max_depth and not self._make_room_for(demand):
             raise QueueFull(
                 f"queue for model {self.model!r} is full ({self._max_depth} waiting)",
                 retry_after_s=self.retry_after_s(demand.tokens),
@@ -317,6 +234,25 @@ class AdmissionController:
                 and fut.exception() is None
             ):
                 fut.result().release()  # a grant raced the cancel or the deadline
+
+    def _waiting_in(self, priority: str) -> int:
+        return sum(1 for w in self._waiters if w.demand.priority == priority)
+
+    def _make_room_for(self, demand: Demand) -> bool:
+        """A full queue refuses its newest waiter of the lowest class below `demand`'s,
+        so that a flood of low priority cannot take the room of high. -> room made."""
+        rank = _class_rank(demand.priority)
+        lower = [w for w in self._waiters
+                 if _class_rank(w.demand.priority) > rank and not w.fut.done()]
+        if not lower:
+            return False
+        victim = max(lower, key=lambda w: (_class_rank(w.demand.priority), w.view.seq))
+        self._waiters.remove(victim)
+        victim.fut.set_exception(QueueFull(
+            f"queue for model {self.model!r} is full: a request of a higher class took "
+            f"this one's place ({self._max_depth} waiting)",
+            retry_after_s=self.retry_after_s(victim.demand.tokens)))
+        return True
 
     async def try_acquire(self, demand: Demand) -> Lease | None:
         """A lease at once if nobody waits and a healthy backend has room, else None;
@@ -471,6 +407,14 @@ class AdmissionController:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
+def _class_rank(priority: str) -> int:
+    """0 for the highest class; a priority outside the classes ranks below them all."""
+    try:
+        return PRIORITY_CLASSES.index(priority)
+    except ValueError:
+        return len(PRIORITY_CLASSES)
+
+
 def controller_for(
     *, model: str, backends: Sequence[Backend], ledger: Ledger, queue: QueueConfig,
     placement: PlacementName, on_event: Callable[[str, Lease | None], None] | None = None,
@@ -483,5 +427,6 @@ def controller_for(
                                aging_tokens_per_s=queue.aging_tokens_per_s,
                                half_life_s=queue.fair_share_half_life_s),
         placement=placement, max_queue_depth=queue.max_depth,
+        max_depth_by_priority=queue.max_depth_by_priority,
         starvation_s=queue.starvation_s, on_event=on_event,
     )

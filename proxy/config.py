@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
 from policies.reservation import ReservationMode
 from proxy.capacity import Deployment, MemoryBudget
+from proxy.clients import Clients, load_clients
 from proxy.config_values import (
     check_keys,
     field_default,
@@ -79,6 +80,9 @@ class QueueConfig:
     fair_share_half_life_s: float = FAIR_SHARE_HALF_LIFE_S
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     priority_by_api_key: Mapping[str, str] = field(default_factory=dict)
+    # Waiters a class may fill at most (a class not named: up to max_depth). Apart from
+    # these, a full queue makes room for a higher class by refusing its lowest waiter.
+    max_depth_by_priority: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +136,7 @@ class KvgateConfig:
     queue: QueueConfig
     ledger: LedgerConfig
     models: tuple[ModelConfig, ...]
+    clients: Clients = field(default_factory=Clients)
     source: Path | None = None
 
 
@@ -142,7 +147,7 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
     w = "server."
     check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
                        "upstream_connect_timeout_s", "upstream_read_timeout_s",
-                       "count_workers", "admit_on_bound"}, w)
+                       "count_workers", "admit_on_bound", "clients_file"}, w)
     d = ServerConfig()
     listen = get_str(data, "listen", w, f"{d.host}:{d.port}")
     host, sep, port_text = listen.rpartition(":")
@@ -179,7 +184,8 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
     check_keys(data, {"max_depth", "default_deadline_s", "max_deadline_s", "ordering",
                        "starvation_s", "aging_tokens_per_s", "priority_header",
                        "tenant_header", "tenant_weights", "priority_by_api_key",
-                       "trust_tenant_header", "fair_share_half_life_s"}, w)
+                       "trust_tenant_header", "fair_share_half_life_s",
+                       "max_depth_by_priority"}, w)
     d = QueueConfig()
     ordering = get_str(data, "ordering", w, d.ordering)
     if ordering not in ORDERINGS:
@@ -198,6 +204,13 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
         raise ConfigError(
             f"`queue.priority_by_api_key` must map API keys to one of {list(PRIORITY_CLASSES)}"
         )
+    depths = data.get("max_depth_by_priority", d.max_depth_by_priority)
+    if not isinstance(depths, Mapping) or not all(
+        k in PRIORITY_CLASSES and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in depths.items()
+    ):
+        raise ConfigError(f"`queue.max_depth_by_priority` must map classes of "
+                          f"{list(PRIORITY_CLASSES)} to waiter counts >= 0")
     trust = get_flag(data, "trust_tenant_header", w, d.trust_tenant_header)
     half_life = get_num(data, "fair_share_half_life_s", w, d.fair_share_half_life_s, minimum=0.0)
     if half_life <= 0:
@@ -223,6 +236,7 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
         fair_share_half_life_s=half_life,
         tenant_weights={str(k): float(v) for k, v in weights.items()},
         priority_by_api_key={str(k): str(v) for k, v in by_key.items()},
+        max_depth_by_priority={str(k): int(v) for k, v in depths.items()},
     )
 
 
@@ -440,7 +454,7 @@ def _adaptive(data: Mapping[str, Any], w: str) -> AdaptiveConfig:
 def parse_config(
     data: Mapping[str, Any], *, base: Path, source: Path | None = None
 ) -> KvgateConfig:
-    check_keys(data, {"server", "queue", "ledger", "models"}, "")
+    check_keys(data, {"server", "queue", "ledger", "models", "clients"}, "")
     models_raw = data.get("models")
     if not isinstance(models_raw, list) or not models_raw:
         raise ConfigError("`models` must list at least one [[models]] table")
@@ -453,13 +467,21 @@ def parse_config(
     backend_names = [b.name for m in models for b in m.backends]
     if len(set(backend_names)) != len(backend_names):
         raise ConfigError(f"backend names must be unique across models. Given: {backend_names}")
+    server_table = get_table(data, "server", "")
+    queue = _queue(get_table(data, "queue", ""))
+    clients = load_clients(data.get("clients", []), server_table, base, queue.tenant_weights,
+                           queue.priority_by_api_key)
+    if clients.by_digest:
+        queue = replace(queue, tenant_weights={**queue.tenant_weights, **clients.weights()})
     return KvgateConfig(
-        server=_server(get_table(data, "server", "")),
-        queue=_queue(get_table(data, "queue", "")),
+        server=_server(server_table),
+        queue=queue,
         ledger=_ledger(get_table(data, "ledger", "")),
         models=models,
+        clients=clients,
         source=source,
     )
+
 
 
 def load_config(path: str | Path) -> KvgateConfig:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import UpstreamError
 
@@ -137,19 +137,32 @@ async def _to_client(response: web.StreamResponse, data: bytes) -> None:
 
 
 def _request_headers(
-    incoming: Mapping[str, str], api_key: str | None
+    incoming: CIMultiDictProxy[str], api_key: str | None, *, forward_authorization: bool = True,
+    peer: str | None = None,
 ) -> CIMultiDict[str]:
+    """What the backend is sent: the client's end-to-end headers, less hop-by-hop ones
+    (also those its `Connection` header names), kvgate's own and the client's
+    credentials where kvgate checked them or holds the backend's key."""
+    listed = {t.strip().lower() for v in incoming.getall("Connection", []) for t in v.split(",")}
     headers: CIMultiDict[str] = CIMultiDict()
     for key, value in incoming.items():
         lower = key.lower()
-        if lower in HOP_BY_HOP or lower.startswith("x-kvgate-"):
+        if lower in HOP_BY_HOP or lower in listed or lower.startswith("x-kvgate-"):
             continue
-        if lower in _BODY_HEADERS or (lower == "authorization" and api_key):
+        if lower in _BODY_HEADERS or (lower == "authorization"
+                                      and (api_key or not forward_authorization)):
             continue
         headers.add(key, value)
     # The body sent is the JSON kvgate parsed, as received after aiohttp decoded any
     # Content-Encoding: label it so, whatever type or encoding the client declared.
     headers["Content-Type"] = "application/json"
+    if "Accept-Encoding" not in headers:
+        # aiohttp would ask for gzip on its own; answers pass through undecoded, so a
+        # client that asked for no encoding must get none.
+        headers["Accept-Encoding"] = "identity"
+    if peer:
+        forwarded_for = headers.popall("X-Forwarded-For", [])
+        headers["X-Forwarded-For"] = ", ".join([*forwarded_for, peer])
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     return headers
@@ -175,6 +188,7 @@ async def forward(
     body: bytes,
     reply_headers: Callable[[], Awaitable[Mapping[str, str]]],
     on_chunk: Callable[[bytes], None] | None = None,
+    forward_authorization: bool = True,
 ) -> Forwarded:
     """Send `body` to `url` and stream the answer; raises UpstreamError before the first byte.
 
@@ -183,7 +197,9 @@ async def forward(
     exact count meanwhile, and the headers report that count.
     """
     started = time.perf_counter()
-    headers = _request_headers(request.headers, api_key)
+    headers = _request_headers(request.headers, api_key,
+                               forward_authorization=forward_authorization,
+                               peer=request.remote)
     with map_upstream_errors(backend_name):
         upstream = await _post(session, url, body, headers, backend_name)
     first_byte_s: float | None = None

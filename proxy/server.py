@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import itertools
 import logging
 import secrets
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from proxy.admin import AdminViews, bearer_token
 from proxy.ask import Admitted, Ask, Record
+from proxy.clients import Identity
 from proxy.config import KvgateConfig
 from proxy.errors import (
     InternalError,
@@ -28,6 +28,7 @@ from proxy.errors import (
     MethodNotAllowed,
     NotFound,
     RequestTooLarge,
+    Unauthorized,
 )
 from proxy.forward import Forwarded, forward, make_session
 from proxy.ledger import Ledger
@@ -165,26 +166,22 @@ def _deadline(request: web.Request, runtime: Runtime) -> float:
     return asyncio.get_running_loop().time() + min(wait_s, q.max_deadline_s)
 
 
-def _tenant(request: web.Request, runtime: Runtime) -> str:
-    """A hash of the API key; the tenant header only where the operator trusts it
-    (`queue.trust_tenant_header`): any client can set a header to any name."""
-    q = runtime.config.queue
+def _identity(request: web.Request, runtime: Runtime) -> Identity:
+    """Tenant and priority class from the identities the operator configured only
+    (`proxy.clients`): a claimed priority can lower the client's class, never raise
+    it; the tenant header counts only where the operator trusts it."""
+    config = runtime.config
+    q = config.queue
+    identity = config.clients.identify(bearer_token(request),
+                                       request.headers.get(q.priority_header, "")[:32])
+    if identity is None:
+        raise Unauthorized("a valid API key is required: `Authorization: Bearer <key>`",
+                           param="Authorization")
     if q.trust_tenant_header:
         tenant = request.headers.get(q.tenant_header)
         if tenant:
-            return tenant[:64]
-    auth = request.headers.get("Authorization", "")
-    # surrogateescape: aiohttp decodes header bytes that are not UTF-8 (obs-text) so
-    return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:12] if auth else ""
-
-
-def _priority(request: web.Request, runtime: Runtime) -> str:
-    """The class an API key is configured to, else what the priority header says."""
-    q = runtime.config.queue
-    key = bearer_token(request)
-    if key and key in q.priority_by_api_key:
-        return q.priority_by_api_key[key]
-    return request.headers.get(q.priority_header, "")[:32]
+            return Identity(tenant=tenant[:64], priority=identity.priority)
+    return identity
 
 
 async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -195,8 +192,9 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             raw = await _read_body(request, runtime.config.server.body_limit_bytes)
             req = validate(raw, endpoint)
             gate = runtime.gate(req.model)
+            who = _identity(request, runtime)
             ask = Ask(request=req, raw=raw, deadline=_deadline(request, runtime),
-                      priority=_priority(request, runtime), tenant=_tenant(request, runtime))
+                      priority=who.priority, tenant=who.tenant)
         except KvgateError as exc:
             record.end(exc.code)  # refused before any model's gate saw it
             raise
@@ -219,6 +217,7 @@ async def _send(request: web.Request, endpoint: Endpoint, admitted: Admitted) ->
     return await forward(
         session=request.app[_SESSION_KEY], request=request, backend_name=backend.name,
         url=backend.url + _PATHS[endpoint], api_key=backend.api_key, body=admitted.body,
+        forward_authorization=not request.app[RUNTIME_KEY].config.clients.required,
         reply_headers=admitted.reply_headers,
         on_chunk=None if progress is None else progress.feed,
     )

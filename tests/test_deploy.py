@@ -213,6 +213,9 @@ def test_local_stack_through_load_balancer_holds_ceiling_across_replicas(tmp_pat
                     r'kvgate_requests_total\{model="qwen3-14b",outcome="completed"\} (\S+)',
                     text)))
             assert all(n > 0 for n in served), served  # nginx used both replicas
+            for route in ("/metrics", "/admin/state"):  # the operator's, not the public's
+                async with s.get(f"{lb}{route}") as resp:
+                    assert resp.status == 404, route
             async with asyncio.timeout(10):
                 while any(int(v or 0) for v in r.mget(keys)):
                     await asyncio.sleep(0.05)

@@ -47,6 +47,7 @@ async def running_stack(
     extra_backend_urls: list[str] | None = None,
     server: dict[str, Any] | None = None,
     backend: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> AsyncIterator[Stack]:
     sims: list[web.AppRunner] = []
     proxy: web.AppRunner | None = None
@@ -70,6 +71,7 @@ async def running_stack(
                              for i, u in enumerate(urls)],
                 **(model or {}),
             }],
+            **(extra or {}),
         }
         config = parse_config(data, base=Path.cwd())
         proxy = await start_proxy(config, port=0)

@@ -1,0 +1,105 @@
+"""What admission places and holds: a demand, the backend it goes to, the lease it gets.
+
+Plain state. A `Backend`'s capacity, health, admission target and in-flight count
+are written only by the `AdmissionController` that owns it (`proxy.admission`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Backend", "Demand", "Lease"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Demand:
+    """What one request will hold: ledger tokens, and the numbers behind them."""
+
+    tokens: int
+    prompt_tokens: int
+    max_tokens: int
+    n: int = 1
+    priority: str = ""
+    tenant: str = ""
+    min_tokens: int = 0
+    follow: bool = False  # an adaptive lease: sized from history, resized as it runs
+
+
+class Backend:
+    """A backend's capacity and live health, as the controller sees it.
+
+    Read by anyone, written only by its `AdmissionController` (`set_capacity`,
+    `set_healthy`, `set_target_factor`, and the leases it grants): every change that
+    can open room then wakes the queue in the one place that knows about it.
+    """
+
+    __slots__ = ("_capacity_tokens", "_healthy", "_inflight", "_target_factor", "api_key",
+                 "name", "url")
+
+    def __init__(self, *, name: str, url: str, capacity_tokens: int, api_key: str | None = None):
+        self.name = name
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self._capacity_tokens = capacity_tokens
+        self._healthy = capacity_tokens > 0  # unknown capacity: not ready yet
+        self._inflight = 0
+        # The share of capacity new admissions may fill (adaptive reservation moves
+        # it from the engine's own figures); growth of live leases may use it all.
+        self._target_factor = 1.0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._capacity_tokens
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def inflight(self) -> int:
+        """Leases this process holds on the backend now."""
+        return self._inflight
+
+    @property
+    def target_factor(self) -> float:
+        return self._target_factor
+
+    @property
+    def target_tokens(self) -> int:
+        return int(self._capacity_tokens * self._target_factor)
+
+
+class Lease:
+    """Tokens held on one backend until `release()`; releasing twice is a no-op."""
+
+    def __init__(
+        self,
+        *,
+        lease_id: str,
+        backend: Backend,
+        demand: Demand,
+        on_release: Callable[[Lease], None],
+    ) -> None:
+        self.lease_id = lease_id
+        self.backend = backend
+        self.demand = demand
+        self.tokens = demand.tokens  # what the ledger holds now; adaptive leases resize
+        self.wanted_tokens = demand.tokens  # what the lease asked for at its last resize
+        self._on_release = on_release
+        self._released = False
+
+    @property
+    def shortfall_tokens(self) -> int:
+        """Tokens a live lease wanted to grow by but found no room for."""
+        return max(0, self.wanted_tokens - self.tokens)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._on_release(self)
