@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["ENGINE_DEFAULTS", "EngineKind", "OutputDefault", "default_output_tokens",
-           "engine_kind"]
+__all__ = ["ENGINE_DEFAULTS", "ENGINE_TRAITS", "EngineKind", "EngineTraits", "OutputDefault",
+           "default_output_tokens", "engine_kind", "requested_output", "unsafe_for_adaptive"]
 
 
 class EngineKind(StrEnum):
@@ -49,6 +49,57 @@ ENGINE_DEFAULTS: dict[EngineKind, OutputDefault] = {
     EngineKind.TGI: OutputDefault(completions_tokens=None, chat_tokens=None),
     EngineKind.LLAMA_CPP: OutputDefault(completions_tokens=None, chat_tokens=None),
 }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineTraits:
+    """What an engine does with more work than its KV pool holds, and which request
+    fields bound its output besides `max_tokens` / `max_completion_tokens`.
+
+    `preempts`: over-admitted work waits or is preempted inside the engine and still
+    completes (vLLM and SGLang preempt and recompute; TGI's router admits by its own
+    token budget and queues the rest). llama.cpp does neither: when a shared pool
+    overflows, every running request fails at once (a 500, or an error event
+    mid-stream), so adaptive reservation, which may hold less than a request can grow
+    to, is unsafe there and only strict leases are.
+    `output_fields`: llama.cpp's `n_predict` wins over `max_tokens` (-1: until the
+    context ends).
+    """
+
+    preempts: bool
+    output_fields: tuple[str, ...] = ()
+
+
+ENGINE_TRAITS: dict[EngineKind, EngineTraits] = {
+    EngineKind.VLLM: EngineTraits(preempts=True),
+    EngineKind.SGLANG: EngineTraits(preempts=True),
+    EngineKind.TGI: EngineTraits(preempts=True),
+    EngineKind.LLAMA_CPP: EngineTraits(preempts=False, output_fields=("n_predict",)),
+}
+
+
+def unsafe_for_adaptive(kinds: Iterable[EngineKind]) -> list[EngineKind]:
+    """The engines among `kinds` in front of which only strict leases are safe."""
+    return sorted({k for k in kinds if not ENGINE_TRAITS[k].preempts})
+
+
+def requested_output(kinds: Iterable[EngineKind], *, max_tokens: int | None,
+                     n_predict: int | None) -> int | None:
+    """The most output any of `kinds` will generate as the request asks; None: it set no
+    bound one of them honours (the engine's default applies).
+
+    Example: `{"max_tokens": 100, "n_predict": -1}` on llama.cpp runs to the context's
+    end (n_predict wins, -1 is no bound) -> None; on vLLM it is 100.
+    """
+    asked: list[int | None] = []
+    for kind in set(kinds) or {EngineKind.VLLM}:
+        if n_predict is not None and "n_predict" in ENGINE_TRAITS[kind].output_fields:
+            asked.append(None if n_predict < 0 else n_predict)
+        else:
+            asked.append(max_tokens)
+    if any(a is None for a in asked):
+        return None
+    return max(a for a in asked if a is not None)
 
 
 def engine_kind(name: str) -> EngineKind:

@@ -154,6 +154,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def check_config_report(path: str) -> dict[str, object]:
     """Validate a config fully (tokenizers included) and derive per-backend capacities."""
+    from policies.engines import unsafe_for_adaptive
     from proxy.config import load_config
     from proxy.tokenize import load_counter
 
@@ -168,6 +169,9 @@ def check_config_report(path: str) -> dict[str, object]:
             "path": str(m.path),
             "max_model_len": m.max_model_len,
             "output_policy": str(m.output.name),
+            "reservation": m.reservation.value,
+            "unsafe_for_adaptive": [str(k) for k in unsafe_for_adaptive(
+                b.kind for b in m.backends)],
             "encoder": counter.encoder_description,
             "admission_bound": counter.bound_description,
             "capacity_source": m.capacity_source,
@@ -193,6 +197,10 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     for m in models:
         print(f"  model {m['name']}: max_model_len {m['max_model_len']:,}, output policy "
               f"{m['output_policy']}, capacity: {m['capacity_source']}")
+        unsafe = m["unsafe_for_adaptive"]
+        why = (f" (only strict is safe: {', '.join(unsafe)} cannot preempt)" if unsafe
+               else "")
+        print(f"    reservation: {m['reservation']}{why}")
         print(f"    counting: {m['encoder']}")
         print(f"    prompt bound for admission: {m['admission_bound']}")
         if m["kv_bytes_per_token"]:

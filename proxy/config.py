@@ -10,10 +10,11 @@ import json
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from policies.engines import EngineKind, engine_kind
+from policies.engines import EngineKind, engine_kind, unsafe_for_adaptive
 from policies.ordering import (
     AGING_TOKENS_PER_S,
     FAIR_SHARE_HALF_LIFE_S,
@@ -344,6 +345,15 @@ def _deployment(
     return deployment, block_size, capacity, source, config_len, from_backend
 
 
+def _choice(data: Mapping[str, Any], key: str, w: str, choices: type[StrEnum]) -> str:
+    """One of an enum's values; the default is `ModelConfig`'s."""
+    value = get_str(data, key, w, field_default(ModelConfig, key))
+    if value not in {c.value for c in choices}:
+        raise ConfigError(f"`{w}{key}` must be one of {sorted(c.value for c in choices)}. "
+                          f"Given: {value!r}")
+    return value
+
+
 def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
     w = f"models[{i}]."
     check_keys(data, {"name", "path", "max_model_len", "output_policy", "output_cap_tokens",
@@ -372,22 +382,8 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             f"policy is {policy.value!r}"
         )
     output = OutputPolicy(name=policy, cap_tokens=cap_tokens)
-    placement_name = get_str(data, "placement", w, field_default(ModelConfig, "placement"))
-    try:
-        placement = PlacementName(placement_name)
-    except ValueError as exc:
-        raise ConfigError(
-            f"`{w}placement` must be one of {sorted(p.value for p in PlacementName)}. "
-            f"Given: {placement_name!r}"
-        ) from exc
-    reservation_name = get_str(data, "reservation", w, field_default(ModelConfig, "reservation"))
-    try:
-        reservation = ReservationMode(reservation_name)
-    except ValueError as exc:
-        raise ConfigError(
-            f"`{w}reservation` must be one of {sorted(m.value for m in ReservationMode)}. "
-            f"Given: {reservation_name!r}"
-        ) from exc
+    placement = PlacementName(_choice(data, "placement", w, PlacementName))
+    reservation = ReservationMode(_choice(data, "reservation", w, ReservationMode))
     adaptive = _adaptive(get_table(data, "adaptive", w), f"{w}adaptive.")
     deployment_table = get_table(data, "deployment", w)
     deployment, block_size, capacity, source, config_len, from_backend = _deployment(
@@ -422,6 +418,14 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
     names = [b.name for b in backends]
     if len(set(names)) != len(names):
         raise ConfigError(f"`{w}backends` names must be unique. Given: {names}")
+    unsafe = unsafe_for_adaptive(b.kind for b in backends)
+    if unsafe and "reservation" not in data:
+        reservation = ReservationMode.STRICT  # the safe default in front of such an engine
+    elif unsafe and reservation is ReservationMode.ADAPTIVE:
+        raise ConfigError(
+            f"`{w}reservation = \"adaptive\"` is unsafe with {', '.join(unsafe)} backends: "
+            "they cannot preempt, and when their KV pool overflows every running request "
+            "fails; use `reservation = \"strict\"` (the default for them)")
     return ModelConfig(
         name=name, path=path, max_model_len=max_model_len, output=output, placement=placement,
         deployment=deployment, block_size=block_size, capacity_tokens=capacity,

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from policies.engines import default_output_tokens
+from policies.engines import default_output_tokens, requested_output
 from policies.output import decide_output
 from policies.reservation import AdmissionTarget, ReservationMode
 from proxy.admission import AdmissionController, Backend, Demand, Lease, controller_for
@@ -79,6 +79,7 @@ class Gate:
         self.ledger = ledger
         self.metrics = metrics
         self.admit_on_bound = admit_on_bound and counter is not None
+        self._kinds = tuple(b.kind for b in config.backends)
         self.count_workers: CountWorkers | None = None  # set by the runtime once started
         self._on_lease = on_lease
         # Per layer kind, per request, and again on every resize: memoised, since a
@@ -223,12 +224,14 @@ class Gate:
         cfg = self.config
         # Several prompts in one call: one lease, several sequences; follow none of them.
         follow = not req.ignore_eos and len(prompts) == 1 and self.tracker is not None
+        kinds = self._kinds
+        requested = requested_output(kinds, max_tokens=req.max_tokens, n_predict=req.n_predict)
         decisions = []
         for prompt_tokens in prompts:
             engine_default = default_output_tokens(
-                (b.kind for b in cfg.backends), chat=req.endpoint is Endpoint.CHAT,
+                kinds, chat=req.endpoint is Endpoint.CHAT,
                 prompt_tokens=prompt_tokens, max_model_len=cfg.max_model_len)
-            decision = decide_output(cfg.output, requested=req.max_tokens,
+            decision = decide_output(cfg.output, requested=requested,
                                      engine_default=engine_default)
             if decision.missing:
                 raise MaxTokensRequired(
@@ -308,8 +311,10 @@ class Gate:
     def _may_admit_on_bound(self, req: ValidRequest, rendered: RenderedChat) -> bool:
         """A proven bound, a client-set max_tokens (so the output decision needs no exact
         prompt), the switch on, and idle loop time to hide the late count in."""
-        return (bool(rendered.max_tokens) and req.max_tokens is not None
-                and self.admit_on_bound and self.controller.inflight < _BOUND_MAX_INFLIGHT)
+        asked = requested_output(self._kinds, max_tokens=req.max_tokens,
+                                 n_predict=req.n_predict)
+        return (bool(rendered.max_tokens) and self.admit_on_bound and asked is not None
+                and self.controller.inflight < _BOUND_MAX_INFLIGHT)
 
     async def _admit_on_bound(self, ask: Ask, record: Record, rendered: RenderedChat,
                               bound: int) -> Admitted | None:

@@ -251,7 +251,8 @@ class _EngineRun:
 def _chat(max_tokens: int | None) -> ValidRequest:
     """A streamed chat as the replay's clients send it; its prompt comes counted."""
     return ValidRequest(endpoint=Endpoint.CHAT, model="simulated", stream=True, n=1,
-                        max_tokens=max_tokens, max_tokens_field="max_tokens", min_tokens=0,
+                        max_tokens=max_tokens, max_tokens_field="max_tokens", n_predict=None,
+                        min_tokens=0,
                         ignore_eos=False, chat=None, prompts=(), body={})
 
 

@@ -46,6 +46,7 @@ class ValidRequest:
     n: int
     max_tokens: int | None
     max_tokens_field: str
+    n_predict: int | None  # llama.cpp's output bound; wins over max_tokens there, -1: none
     min_tokens: int  # vLLM's: EOS cannot end the answer before this many tokens
     ignore_eos: bool  # vLLM's: EOS never ends it, max_tokens does
     chat: ChatRequest | None
@@ -55,9 +56,12 @@ class ValidRequest:
     def with_max_tokens(self, max_tokens: int) -> bytes:
         """The body to forward with the output capped at `max_tokens`. Every cap field the
         client gave is rewritten (a chat body may hold both `max_tokens` and
-        `max_completion_tokens`, and an engine honours either), else `max_tokens_field`."""
+        `max_completion_tokens`, and an engine honours either; `n_predict` too, which
+        llama.cpp honours first), else `max_tokens_field`."""
         present = [f for f in _MAX_TOKENS_FIELDS if self.body.get(f) is not None]
         fields = dict.fromkeys(present or [self.max_tokens_field], max_tokens)
+        if self.n_predict is not None:  # llama.cpp reads it first: capped with the rest
+            fields["n_predict"] = max_tokens
         # Compact and UTF-8 as is: `parse_body` has ruled out unencodable strings, and
         # ASCII escapes would grow non-Latin text up to six times on the wire.
         return json.dumps({**self.body, **fields}, ensure_ascii=False,
@@ -331,6 +335,7 @@ def validate(raw: bytes, endpoint: Endpoint) -> ValidRequest:
         n=n,
         max_tokens=max_tokens,
         max_tokens_field=field,
+        n_predict=_int_field(body, "n_predict", minimum=-1),
         min_tokens=_int_field(body, "min_tokens", minimum=0) or 0,
         ignore_eos=bool(ignore_eos),
         chat=_chat(body) if chat else None,

@@ -221,6 +221,8 @@ def test_documented_defaults_are_the_defaults() -> None:
             model["deployment"].update(entry)
         elif table == "[[models.backends]]":
             model["backends"] = [{"name": "a", "url": "http://127.0.0.1:8001", **entry}]
+        elif table == "[[clients]]":
+            return {**base(**model), "clients": [{"name": "c", "key": "sk-c", **entry}]}
         else:
             raise AssertionError(f"no rule for documented table {table}")
         return base(**model)

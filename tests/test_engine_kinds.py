@@ -1,0 +1,122 @@
+"""What each engine kind asks of kvgate: safe reservation and its own length fields."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from policies.engines import EngineKind, requested_output, unsafe_for_adaptive
+from policies.reservation import ReservationMode
+from proxy.cli import main
+from proxy.config import parse_config
+from proxy.modelconfig import ConfigError
+from tests.support.servers import fake_backend
+from tests.support.stack import MODEL, MODELS, Stack, running_stack
+
+LLAMA, VLLM = EngineKind.LLAMA_CPP, EngineKind.VLLM
+
+
+def _model(kind: str, **extra: Any) -> dict[str, Any]:
+    return {"models": [{"name": MODEL, "path": str(MODELS / MODEL), "max_model_len": 2048,
+                        "deployment": {"kv_tokens": 2048},
+                        "backends": [{"name": "a", "url": "http://127.0.0.1:9", "kind": kind}],
+                        **extra}]}
+
+
+def test_llama_cpp_backends_are_strict_and_adaptive_is_refused() -> None:
+    assert unsafe_for_adaptive([VLLM, LLAMA, LLAMA]) == [LLAMA]
+    assert parse_config(_model("llama.cpp"), base=Path.cwd()).models[0].reservation \
+        is ReservationMode.STRICT
+    assert parse_config(_model("vllm"), base=Path.cwd()).models[0].reservation \
+        is ReservationMode.ADAPTIVE
+    with pytest.raises(ConfigError, match=r"adaptive.*unsafe with llama\.cpp backends"):
+        parse_config(_model("llama.cpp", reservation="adaptive"), base=Path.cwd())
+
+
+def test_check_config_says_why_a_model_is_strict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tomli_w
+
+    config = tmp_path / "kvgate.toml"
+    config.write_text(tomli_w.dumps(_model("llama.cpp")))
+    assert main(["check-config", str(config)]) == 0
+    assert "reservation: strict (only strict is safe: llama.cpp cannot preempt)" \
+        in capsys.readouterr().out
+
+
+def test_n_predict_wins_on_llama_cpp_only() -> None:
+    assert requested_output([LLAMA], max_tokens=100, n_predict=-1) is None
+    assert requested_output([LLAMA], max_tokens=100, n_predict=30) == 30
+    assert requested_output([LLAMA], max_tokens=100, n_predict=None) == 100
+    assert requested_output([VLLM], max_tokens=100, n_predict=-1) == 100
+    assert requested_output([VLLM, LLAMA], max_tokens=100, n_predict=300) == 300
+    assert requested_output([VLLM, LLAMA], max_tokens=None, n_predict=30) is None
+
+
+@contextlib.asynccontextmanager
+async def _behind(kind: str, bodies: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[Stack]:
+    async def chat(request: web.Request) -> web.Response:
+        bodies.append(json.loads(await request.read()))
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"},
+             "finish_reason": "stop"}], "usage": {"completion_tokens": 1}})
+
+    async with fake_backend(chat) as url, \
+            running_stack(backends=0, extra_backend_urls=[url], kv_tokens=16384,
+                          backend={"kind": kind}, **kwargs) as stack:
+        async with asyncio.timeout(5):
+            while not stack.state.backends()[0].healthy:
+                await asyncio.sleep(0.02)
+        yield stack
+
+
+@pytest.mark.parametrize(("kind", "reserves_to_the_end"), [("llama.cpp", True), ("vllm", False)])
+def test_strict_reservation_reads_the_engines_own_length_field(
+    kind: str, reserves_to_the_end: bool
+) -> None:
+    """`n_predict: -1` makes llama.cpp run to the context's end whatever max_tokens says:
+    kvgate reserves that there, and only max_tokens in front of vLLM, which ignores it."""
+    bodies: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        async with _behind(kind, bodies) as stack, aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 50, "n_predict": -1}
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                prompt = int(resp.headers["x-kvgate-prompt-tokens"])
+                reserved = int(resp.headers["x-kvgate-reserved-tokens"])
+        assert reserved == (8192 if reserves_to_the_end else -(-(prompt + 50) // 16) * 16)
+        assert bodies == [body]  # unchanged: no cap policy
+
+    asyncio.run(scenario())
+
+
+def test_the_cap_rewrites_n_predict_too() -> None:
+    bodies: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        model = {"output_policy": "cap", "output_cap_tokens": 100}
+        async with _behind("llama.cpp", bodies, model=model) as stack, \
+                aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                    "n_predict": -1}
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvgate-output-cap"] == "100"
+                prompt = int(resp.headers["x-kvgate-prompt-tokens"])
+                assert int(resp.headers["x-kvgate-reserved-tokens"]) == \
+                    -(-(prompt + 100) // 16) * 16
+        [sent] = bodies
+        assert sent["n_predict"] == 100 and sent["max_tokens"] == 100
+
+    asyncio.run(scenario())
