@@ -168,6 +168,33 @@ def _request_headers(
     return headers
 
 
+class _EventFraming:
+    """Relay an event stream in whole events: a chunk that ends inside an event keeps
+    that event's start back until its end arrives (the bytes are the backend's, only
+    their split changes), so a failure mid-stream adds kvgate's `error` event after a
+    complete one, never inside a half-sent one that a client's SSE parser would choke
+    on. An event past `_MAX_PENDING` is let through as it comes."""
+
+    __slots__ = ("pending",)
+    _MAX_PENDING = 1 << 16
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def complete(self, chunk: bytes) -> bytes:
+        """The whole events `chunk` completes; keeps the rest pending."""
+        data = self.pending + chunk if self.pending else chunk
+        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        if end == 0 and len(data) <= self._MAX_PENDING:
+            self.pending = data
+            return b""
+        if end == 0:
+            end = len(data)
+        self.pending = data[end:]
+        return data[:end] if end < len(data) else data
+
+
 @dataclass(frozen=True, slots=True)
 class Forwarded:
     """The answer sent, and how the forward ended (for the gate's outcome and metrics)."""
@@ -217,15 +244,20 @@ async def forward(
             response.content_length = length
         is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         await response.prepare(request)
+        events = _EventFraming() if is_sse else None
         try:
             async for chunk in upstream.content.iter_any():
                 if first_byte_s is None:
                     first_byte_s = time.perf_counter() - started
+                if events is not None and not (chunk := events.complete(chunk)):
+                    continue
                 if on_chunk is not None:
                     on_chunk(chunk)
                 await _to_client(response, chunk)
+            if events is not None and events.pending:
+                await _to_client(response, events.pending)  # the backend's own last bytes
         except (aiohttp.ClientError, TimeoutError) as exc:
-            if is_sse:
+            if is_sse:  # the half event it broke off in is dropped: clients parse each event
                 error = UpstreamError(f"backend {backend_name!r} failed mid-stream: {exc}")
                 await _to_client(response, error.sse_event())
                 await response.write_eof()

@@ -320,6 +320,45 @@ def test_backend_that_refuses_connections_is_marked_down_and_503() -> None:
     asyncio.run(scenario())
 
 
+def test_a_failure_inside_an_event_ends_with_an_error_event_the_sdk_can_read() -> None:
+    """The backend dies halfway through an event, its first half already sent: the
+    client gets the whole events before it and then kvgate's `error` event, never the
+    half event glued to it (which the official SDK fails to parse as JSON)."""
+    async def broken(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id":"1","object":"chat.completion.chunk","created":0,'
+                         b'"model":"m","choices":[{"index":0,"delta":{"content":"hi"},'
+                         b'"finish_reason":null}]}\n\ndata: {"id":"1","obj')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    async def scenario() -> None:
+        async with fake_backend(broken) as url, \
+                running_stack(backends=0, extra_backend_urls=[url]) as stack, \
+                aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": MSGS, "max_tokens": 5, "stream": True}
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                text = (await resp.read()).decode()
+            events = [e for e in text.split("\n\n") if e]
+            assert events[0].startswith('data: {"id":"1"') and '"content":"hi"' in events[0]
+            assert events[1].startswith("event: error\ndata: ") and len(events) == 2
+            assert json.loads(events[1].split("data: ", 1)[1])["error"]["code"] == \
+                "upstream_error"
+            sdk = client(stack)
+            stream = await sdk.chat.completions.create(
+                model=MODEL, messages=MSGS, max_tokens=5, stream=True)  # type: ignore[arg-type]
+            with pytest.raises(openai.APIError) as failed:
+                async for _ in stream:
+                    pass
+            assert not isinstance(failed.value, json.JSONDecodeError)
+            await settle(stack)
+
+    asyncio.run(scenario())
+
+
 def test_upstream_failure_mid_stream_ends_with_sse_error_event() -> None:
     async def broken(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
