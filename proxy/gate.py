@@ -38,6 +38,7 @@ from proxy.errors import (
     InvalidRequest,
     KvgateError,
     MaxTokensRequired,
+    RequestTooLarge,
 )
 from proxy.ledger import Ledger
 from proxy.metrics import Metrics, Outcome
@@ -153,6 +154,8 @@ class Gate:
         after the exact count (queueing if needed), or a rejection."""
         req = ask.request
         t0 = time.perf_counter()
+        if ask.prompt_tokens is None:
+            self._refuse_what_never_fits(req)
         rendered = self._render(ask)
         if rendered is not None and self._may_admit_on_bound(req, rendered):
             assert rendered.max_tokens is not None
@@ -266,6 +269,20 @@ class Gate:
                         n=req.n, priority=priority, tenant=tenant,
                         min_tokens=min(req.min_tokens, reserve_out), follow=follow)
         return demand, set_to
+
+    def _refuse_what_never_fits(self, req: ValidRequest) -> None:
+        """What parsing alone decides, before any counting: every prompt holds at least
+        one token and one output token per sequence, block-rounded, so a body of more
+        prompts than the largest backend could hold that way is refused at once (a
+        million one-word prompts costs seconds to count and can never be admitted)."""
+        prompts = 1 if req.chat is not None else len(req.prompts)
+        least = prompts * req.n * self.ledger_tokens(2)
+        largest = self.controller.max_capacity_tokens
+        if least > largest:
+            raise RequestTooLarge(
+                f"{prompts} prompt(s) x n={req.n} hold at least {least} tokens, more than the "
+                f"largest backend capacity {largest} tokens of model {self.name!r}; it can "
+                "never be admitted", param="prompt")
 
     def _ledger_tokens(self, resident_tokens: int) -> int:
         """Block-rounded ledger tokens (token-equivalents for hybrid layouts)."""

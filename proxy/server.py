@@ -44,6 +44,9 @@ log = logging.getLogger("kvgate.request")
 RUNTIME_KEY = web.AppKey("runtime", Runtime)
 _SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 _RECORD_KEY = web.RequestKey("record", Record)
+# A body this large is parsed and validated in a thread: a 4 MB one costs seconds of
+# CPU, which on the loop would stall every other request and /healthz with it.
+_OFF_LOOP_BYTES = 256 * 1024
 _PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETIONS: "/v1/completions"}
 
 _REQUEST_ID_PREFIX = secrets.token_hex(4)  # per process: ids stay unique across replicas
@@ -190,7 +193,8 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     try:
         try:
             raw = await _read_body(request, runtime.config.server.body_limit_bytes)
-            req = validate(raw, endpoint)
+            req = (validate(raw, endpoint) if len(raw) < _OFF_LOOP_BYTES else await
+                   asyncio.get_running_loop().run_in_executor(None, validate, raw, endpoint))
             gate = runtime.gate(req.model)
             who = _identity(request, runtime)
             ask = Ask(request=req, raw=raw, deadline=_deadline(request, runtime),

@@ -492,3 +492,25 @@ def test_header_values_that_are_not_utf8_are_served() -> None:
             await settle(stack)
 
     asyncio.run(scenario())
+
+
+def test_a_body_of_more_prompts_than_any_backend_holds_is_refused_before_counting() -> None:
+    """900,000 one-letter prompts: each holds at least a block, so no backend can ever
+    take them all. Answered 413 from the parse alone, counted nowhere, sent nowhere."""
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=65536) as stack, \
+                aiohttp.ClientSession() as s:
+            body = json.dumps({"model": MODEL, "prompt": ["a"] * 900_000, "max_tokens": 1},
+                              separators=(",", ":")).encode()  # 3.6 MB
+            status, headers, data = await post(s, stack.url + "/v1/completions", body)
+            error = assert_shaped(data, 413, "request_too_large")
+            assert "900000 prompt(s) x n=1 hold at least 14400000 tokens" in error["message"]
+            assert "x-kvgate-prompt-tokens" not in headers  # nothing was counted
+            assert (await stack.sim_state(s, 0))["finished"] == 0
+            async with s.get(f"{stack.url}/metrics") as resp:
+                text = await resp.text()
+            assert 'kvgate_rejections_total{model="qwen3-14b",reason="request_too_large"} 1.0' \
+                in text
+            assert "kvgate_tokenize_seconds_count 0.0" in text
+
+    asyncio.run(scenario())
