@@ -503,6 +503,7 @@ def test_a_body_of_more_prompts_than_any_backend_holds_is_refused_before_countin
             body = json.dumps({"model": MODEL, "prompt": ["a"] * 900_000, "max_tokens": 1},
                               separators=(",", ":")).encode()  # 3.6 MB
             status, headers, data = await post(s, stack.url + "/v1/completions", body)
+            assert status == 413
             error = assert_shaped(data, 413, "request_too_large")
             assert "900000 prompt(s) x n=1 hold at least 14400000 tokens" in error["message"]
             assert "x-kvgate-prompt-tokens" not in headers  # nothing was counted
