@@ -58,6 +58,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     body_limit_bytes: int = 4 * 2**20
+    body_read_timeout_s: float = 30.0
     admin_token: str | None = None
     health_interval_s: float = 2.0
     upstream_connect_timeout_s: float = 5.0
@@ -148,7 +149,8 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
     w = "server."
     check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
                        "upstream_connect_timeout_s", "upstream_read_timeout_s",
-                       "count_workers", "admit_on_bound", "clients_file"}, w)
+                       "count_workers", "admit_on_bound", "clients_file",
+                       "body_read_timeout_s"}, w)
     d = ServerConfig()
     listen = get_str(data, "listen", w, f"{d.host}:{d.port}")
     host, sep, port_text = listen.rpartition(":")
@@ -168,13 +170,9 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
             get_bytes(data, "body_limit", w) if "body_limit" in data else d.body_limit_bytes
         ),
         admin_token=token,
-        health_interval_s=get_num(data, "health_interval_s", w, d.health_interval_s, minimum=0.05),
-        upstream_connect_timeout_s=get_num(
-            data, "upstream_connect_timeout_s", w, d.upstream_connect_timeout_s, minimum=0.1
-        ),
-        upstream_read_timeout_s=get_num(
-            data, "upstream_read_timeout_s", w, d.upstream_read_timeout_s, minimum=0.1
-        ),
+        **{k: get_num(data, k, w, getattr(d, k), minimum=least) for k, least in (
+            ("health_interval_s", 0.05), ("upstream_connect_timeout_s", 0.1),
+            ("upstream_read_timeout_s", 0.1), ("body_read_timeout_s", 0.01))},
         count_workers=get_int(data, "count_workers", w, d.count_workers, minimum=0),
         admit_on_bound=get_flag(data, "admit_on_bound", w, d.admit_on_bound),
     )

@@ -45,6 +45,7 @@ __all__ = [
     "NotFound",
     "QueueFull",
     "QueueTimeout",
+    "RequestTimeout",
     "RequestTooLarge",
     "Unauthorized",
     "UpstreamError",
@@ -222,6 +223,15 @@ class UpstreamError(KvgateError):
     retryable = True
 
 
+class RequestTimeout(KvgateError):
+    """The client did not send its whole body within `server.body_read_timeout_s`: a
+    stalled upload would otherwise hold its buffer (and a connection) for ever."""
+
+    status = 408
+    code = "request_timeout"
+    type = "invalid_request_error"
+
+
 class InternalError(KvgateError):
     """A defect: an exception nothing else mapped. The message gives the request id that
     the log line with the traceback carries; any reservation was released."""
@@ -242,6 +252,7 @@ ERROR_TABLE: dict[str, type[KvgateError]] = {
         NotFound,
         MethodNotAllowed,
         RequestTooLarge,
+        RequestTimeout,
         QueueFull,
         QueueTimeout,
         NoBackend,

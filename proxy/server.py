@@ -20,13 +20,14 @@ from aiohttp import web
 from proxy.admin import AdminViews, bearer_token
 from proxy.ask import Admitted, Ask, Record
 from proxy.clients import Identity
-from proxy.config import KvgateConfig
+from proxy.config import KvgateConfig, ServerConfig
 from proxy.errors import (
     InternalError,
     InvalidRequest,
     KvgateError,
     MethodNotAllowed,
     NotFound,
+    RequestTimeout,
     RequestTooLarge,
     Unauthorized,
 )
@@ -126,7 +127,20 @@ async def error_middleware(
         return _error_response(error, record, of_request=False)
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, server: ServerConfig) -> bytes:
+    """The body, within the byte limit and the read timeout: a stalled or endless upload
+    must not hold a buffer and a connection for ever."""
+    try:
+        async with asyncio.timeout(server.body_read_timeout_s):
+            return await _read_limited(request, server.body_limit_bytes)
+    except TimeoutError:
+        request.content.feed_eof()  # answered now, and the connection closed after it
+        raise RequestTimeout(
+            f"the request body did not arrive within {server.body_read_timeout_s:g} s",
+            param="body") from None
+
+
+async def _read_limited(request: web.Request, limit: int) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limit:
         raise RequestTooLarge(
@@ -192,7 +206,7 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     record = request[_RECORD_KEY]
     try:
         try:
-            raw = await _read_body(request, runtime.config.server.body_limit_bytes)
+            raw = await _read_body(request, runtime.config.server)
             req = (validate(raw, endpoint) if len(raw) < _OFF_LOOP_BYTES else await
                    asyncio.get_running_loop().run_in_executor(None, validate, raw, endpoint))
             gate = runtime.gate(req.model)
@@ -210,8 +224,8 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         return forwarded.response
     except KvgateError as exc:
         response = _error_response(exc, record)
-        if request.content.exception() is not None:  # a body the parser failed on
-            response.force_close()
+        if request.content.exception() is not None or isinstance(exc, RequestTimeout):
+            response.force_close()  # the rest of that body cannot be read: close after it
         return response
 
 

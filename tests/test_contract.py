@@ -515,3 +515,26 @@ def test_a_body_of_more_prompts_than_any_backend_holds_is_refused_before_countin
             assert "kvgate_tokenize_seconds_count 0.0" in text
 
     asyncio.run(scenario())
+
+
+def test_a_stalled_body_is_answered_408_and_its_connection_closed() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, server={"body_read_timeout_s": 0.3}) as stack:
+            port = int(stack.url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                         b'{"model": "qwen3')  # ... and nothing more
+            await writer.drain()
+            t0 = asyncio.get_running_loop().time()
+            answer = await asyncio.wait_for(reader.read(), 5)  # read() ends: closed
+            waited = asyncio.get_running_loop().time() - t0
+            writer.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert json.loads(body)["error"]["code"] == "request_timeout"
+            assert 0.25 <= waited < 4
+            async with aiohttp.ClientSession() as s:
+                assert (await stack.sim_state(s, 0))["finished"] == 0
+
+    asyncio.run(scenario())
