@@ -77,6 +77,7 @@ class AdminViews:
             view.update({
                 "engine_estimate_tokens": gate.tracker.engine_estimate_tokens(backend.name, now),
                 "lease_shortfall_tokens": gate.controller.shortfall_tokens(backend),
+                "cold_start_reserve_tokens": gate.tracker.growth_reserve(backend, None),
                 "engine_kv_usage_ratio": target.usage_ratio,
                 "engine_preemptions_reported": target.preemptions_seen,
             })

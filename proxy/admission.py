@@ -91,6 +91,9 @@ class AdmissionController:
         # Adaptive reservation: what a followed demand should hold now. A waiter sized
         # by the cold-start rule is sized anew from the history once there is one.
         self.sizer: Callable[[Demand], int] | None = None
+        # Tokens to keep free on a backend for followed leases to grow into while their
+        # output lengths are not known yet (adaptive reservation's cold start).
+        self.growth_reserve: Callable[[Backend, Demand | None], int] | None = None
         # Live leases that wanted to grow and found no room. Running requests come
         # first (as in an engine's own scheduler): room that opens goes to them before
         # any waiter, and admission leaves their shortfall free.
@@ -143,17 +146,22 @@ class AdmissionController:
         return sum(lease.shortfall_tokens for lease in self._short.values()
                    if lease.backend is backend)
 
-    def _admission_room(self, backend: Backend) -> int:
-        """Reserved tokens up to which new requests are admitted on `backend`."""
-        if not self._short:
-            return backend.target_tokens
-        return max(0, backend.target_tokens - self.shortfall_tokens(backend))
+    def _admission_room(self, backend: Backend, demand: Demand | None = None) -> int:
+        """Reserved tokens up to which new requests (`demand`) are admitted on `backend`:
+        the admission target, less what live leases wanted to grow by and found no room
+        for, less what the cold start keeps free for followed leases to grow into."""
+        room = backend.target_tokens
+        if self._short:
+            room -= self.shortfall_tokens(backend)
+        if self.growth_reserve is not None:
+            room -= self.growth_reserve(backend, demand)
+        return max(0, room)
 
-    def rooms(self) -> list[BackendRoom]:
+    def rooms(self, demand: Demand | None = None) -> list[BackendRoom]:
         return [
             BackendRoom(
                 name=b.name,
-                capacity_tokens=self._admission_room(b),
+                capacity_tokens=self._admission_room(b, demand),
                 resident_tokens=self._ledger.resident(b.name),
             )
             for b in self.backends
@@ -272,11 +280,11 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ placing
     async def _try_place(self, demand: Demand) -> Lease | None:
-        for name in rank_backends(self.rooms(), demand.tokens, self._placement):
+        for name in rank_backends(self.rooms(demand), demand.tokens, self._placement):
             backend = self._by_name[name]
             lease_id = f"{_LEASE_PREFIX}{next(_lease_seq):x}"
             if await self._ledger.reserve(name, lease_id, demand.tokens,
-                                          self._admission_room(backend)):
+                                          self._admission_room(backend, demand)):
                 lease = Lease(
                     lease_id=lease_id, backend=backend, demand=demand, on_release=self._released
                 )
@@ -390,7 +398,8 @@ class AdmissionController:
         targets. A demand above every target (a strict lease while the target is
         tightened) must not hold the queue: nobody behind it would pass until its
         deadline, while it could not be placed either."""
-        return any(demand.tokens <= self._admission_room(b) for b in self.backends if b.healthy)
+        return any(demand.tokens <= self._admission_room(b, demand)
+                   for b in self.backends if b.healthy)
 
     def _fail_all(self, exc: LedgerUnavailable) -> None:
         """No ledger, no admission: every waiter gets the explicit 503 now."""

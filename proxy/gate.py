@@ -420,9 +420,8 @@ class Gate:
     def engine_report(self, backend: Backend, load: EngineLoad, now: float) -> None:
         """A preemption, or the engine holding more than every lease, tightens the
         backend's admission target at once; quiet reports loosen it slowly."""
-        assert self.tracker is not None
         before = apply_engine_report(
-            self.tracker, self.controller, backend, self.targets[backend.name], now=now,
+            self.controller, backend, self.targets[backend.name], now=now,
             preemptions_total=load.preemptions_total, usage_ratio=load.usage_ratio,
             reserved_tokens=self.ledger.resident(backend.name))
         self.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,

@@ -115,8 +115,8 @@ class ReservationTracker:
 
         Without history (a cold start) nothing is known about where EOS falls: each
         lease holds its output so far twice over ("as long again as it has run") and
-        the backends admit new requests only up to `WARMUP_FACTOR` of their capacity
-        (`admission_factor`), so the other half is there for the leases to grow into.
+        new requests leave up to 1 - `WARMUP_FACTOR` of each pool free for the leases
+        to grow into (`growth_reserve`).
         Reserving max_tokens instead turned 0.5x traffic without max_tokens into 18
         timeouts out of 43 in the first 20 s.
         """
@@ -128,10 +128,31 @@ class ReservationTracker:
             expected = generated + self.history.remaining(generated)
         return min(max_tokens, max(min_tokens, expected))
 
-    def admission_factor(self, engine_factor: float) -> float:
-        """The share of capacity new requests may fill: the engine feedback's, capped
-        at `WARMUP_FACTOR` until the history is ready."""
-        return engine_factor if self.history.ready else min(engine_factor, WARMUP_FACTOR)
+    def growth_reserve(self, backend: Backend, demand: Demand | None) -> int:
+        """Cold start: tokens kept free on `backend` for followed leases to grow into.
+
+        Without history a followed lease holds its output so far twice over, so it
+        may grow up to its prompt + max_tokens; the reserve is what the live followed
+        leases there (and `demand`, if it follows) could still grow by, at most
+        1 - `WARMUP_FACTOR` of the capacity. A lease that cannot grow (strict-sized:
+        `ignore_eos`, several prompts) needs none: strict-sized requests alone may fill
+        the whole pool from the first request on. Once the history is ready, none.
+        """
+        if self.history.ready:
+            return 0
+        most = int(backend.capacity_tokens * (1 - WARMUP_FACTOR))
+        grow = 0
+        if demand is not None and demand.follow:
+            grow = demand.n * self._ledger_tokens(demand.prompt_tokens + demand.max_tokens)
+            grow -= demand.tokens
+        for p in self._live.values():
+            if grow >= most:
+                break
+            lease = p.lease
+            if lease.backend is backend and not p.strict and not lease.released:
+                grow += max(0, p.n * self._ledger_tokens(p.prompt_tokens + p.max_tokens)
+                            - lease.tokens)
+        return min(most, max(0, grow))
 
     def lease_tokens(self, *, prompt_tokens: int, max_tokens: int, n: int, min_tokens: int,
                      strict: bool, generated: int = 0) -> int:
@@ -234,12 +255,9 @@ def follow_adaptively(
                                     n=d.n, min_tokens=d.min_tokens, strict=False)
 
     controller.sizer = size
-    for backend in controller.backends:
-        controller.set_target_factor(backend, tracker.admission_factor(backend.target_factor))
+    controller.growth_reserve = tracker.growth_reserve
 
-    def ready() -> None:  # the cold start is over: the engine feedback decides alone
-        for backend in controller.backends:
-            controller.set_target_factor(backend, targets[backend.name].factor)
+    def ready() -> None:  # the cold start is over: its reserve is free for admissions
         controller.kick()
 
     tracker.on_ready = ready
@@ -248,9 +266,9 @@ def follow_adaptively(
 
 
 def apply_engine_report(
-    tracker: ReservationTracker, controller: AdmissionController, backend: Backend,
-    target: AdmissionTarget, *, now: float, preemptions_total: int | None,
-    usage_ratio: float | None, reserved_tokens: int,
+    controller: AdmissionController, backend: Backend, target: AdmissionTarget, *,
+    now: float, preemptions_total: int | None, usage_ratio: float | None,
+    reserved_tokens: int,
 ) -> float:
     """One scrape of a backend's engine moves its admission target; -> the factor before.
 
@@ -258,11 +276,11 @@ def apply_engine_report(
     so a simulated deployment tightens and loosens exactly as a served one.
     """
     before = backend.target_factor
-    controller.set_target_factor(backend, tracker.admission_factor(target.observe(
+    controller.set_target_factor(backend, target.observe(
         now=now, preemptions_total=preemptions_total,
         engine_tokens=(None if usage_ratio is None
                        else int(usage_ratio * backend.capacity_tokens)),
         reserved_tokens=reserved_tokens, capacity_tokens=backend.capacity_tokens,
-    )))
+    ))
     target.usage_ratio = usage_ratio
     return before

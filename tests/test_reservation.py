@@ -19,7 +19,6 @@ from proxy.errors import QueueTimeout
 from proxy.ledger import MemoryLedger
 from proxy.redis_ledger import RedisLedger
 from proxy.reservation import (
-    WARMUP_FACTOR,
     Progress,
     ReservationTracker,
     output_tokens_from_tail,
@@ -229,14 +228,15 @@ async def _adaptive_stack(**engine: Any) -> AsyncIterator[Stack]:
 
 
 def test_adaptive_cold_start_then_what_answers_use() -> None:
-    """No history: a lease holds its output so far twice over and new requests may fill
-    only WARMUP_FACTOR of the pool; with history: what answers have used."""
+    """No history: a lease holds its output so far twice over and new requests leave
+    room for the live ones to grow; with history: what answers have used."""
 
     async def scenario() -> None:
         async with _adaptive_stack() as stack, aiohttp.ClientSession() as s:
             async with s.get(f"{stack.url}/admin/state") as resp:
                 cold = (await resp.json())["models"][MODEL]["backends"]["sim-0"]
-            assert cold["admission_target_tokens"] == int(8192 * WARMUP_FACTOR)
+            assert cold["admission_target_tokens"] == 8192
+            assert cold["cold_start_reserve_tokens"] == 0  # nothing live that could grow
             status, headers = await _chat(s, stack, max_tokens=24)
             prompt = int(headers["x-kvgate-prompt-tokens"])
             assert status == 200
@@ -415,5 +415,72 @@ def test_a_lease_back_within_its_slack_leaves_the_shortfall_list_unshrunk() -> N
             await waiter
         lease.release()
         other.release()
+
+    asyncio.run(scenario())
+
+
+def _cold_controller(capacity: int) -> tuple[AdmissionController, ReservationTracker]:
+    from proxy.reservation import follow_adaptively
+
+    c = AdmissionController(model="m", backends=[Backend(name="gpu", url="http://127.0.0.1:9",
+                                                         capacity_tokens=capacity)],
+                            ledger=MemoryLedger(), ordering=make_ordering("fifo"))
+    tracker, _ = follow_adaptively(c, quantile=0.5, min_samples=10, history=100,
+                                   resize_interval_s=0.1,
+                                   ledger_tokens=lambda t: -(-t // 16) * 16, block_size=16)
+    return c, tracker
+
+
+def test_a_cold_start_keeps_room_only_for_leases_that_can_grow() -> None:
+    """A fresh kvgate on a 4,096-token pool: six strict-sized leases of 624 tokens fit
+    (3,744) and are all admitted at once; followed leases that may grow to prompt +
+    max_tokens leave up to a quarter of the pool free for that growth."""
+    async def scenario() -> None:
+        c, tracker = _cold_controller(4096)
+        loop = asyncio.get_running_loop()
+        strict = [await c.acquire(Demand(tokens=624, prompt_tokens=300, max_tokens=324),
+                                  loop.time()) for _ in range(6)]
+        assert sum(lease.tokens for lease in strict) == 3744
+        for lease in strict:
+            lease.release()
+        # followed: 112 tokens now (prompt 100 + a first block), up to 2,112 later
+        grows = Demand(tokens=112, prompt_tokens=100, max_tokens=2000, follow=True)
+        followed = []
+        with pytest.raises(QueueTimeout):
+            while True:
+                lease = await c.acquire(grows, loop.time())
+                tracker.track(Progress(lease=lease, prompt_tokens=100, max_tokens=2000, n=1,
+                                       min_tokens=0, stream=True, chat=True, started_s=0.0))
+                followed.append(lease)
+        assert len(followed) == 27  # 27 x 112 = 3,024 <= 4,096 - 1,024 < 28 x 112
+        assert tracker.growth_reserve(c.backends[0], None) == 1024
+        # the reserve is the live followed leases' to grow into, a strict one's too
+        whole = Demand(tokens=1024, prompt_tokens=500, max_tokens=524)
+        with pytest.raises(QueueTimeout):
+            await c.acquire(whole, loop.time())
+        for lease in followed:
+            lease.release()
+        assert tracker.growth_reserve(c.backends[0], None) == 0  # nothing left to grow
+        assert (await c.acquire(Demand(tokens=4096, prompt_tokens=500, max_tokens=3596),
+                                loop.time())).tokens == 4096
+
+    asyncio.run(scenario())
+
+
+def test_a_fresh_kvgate_admits_every_strict_sized_request_that_fits_at_once() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, kv_tokens=4096, model=ADAPTIVE,
+                                 engine={"decode_step_ms": 5.0}) as stack, \
+                aiohttp.ClientSession() as s:
+            # ignore_eos: runs to max_tokens, so its lease is strict-sized (prompt + 650)
+            answers = await asyncio.gather(*(
+                _chat(s, stack, max_tokens=650, ignore_eos=True, stream=True)
+                for _ in range(6)))
+            prompt = int(answers[0][1]["x-kvgate-prompt-tokens"])
+            assert 6 * _strict_tokens(prompt, 650) <= 4096 < 7 * _strict_tokens(prompt, 650)
+            assert [status for status, _ in answers] == [200] * 6
+            waits = [float(h["x-kvgate-queue-wait-ms"]) for _, h in answers]
+            assert max(waits) < 50, waits  # none waited for another to finish (~2.5 s)
+            await _settled(stack)
 
     asyncio.run(scenario())
