@@ -23,6 +23,7 @@ __all__ = [
     "PriorityFairShare",
     "ShortestFirst",
     "WaiterView",
+    "class_rank",
     "make_ordering",
 ]
 
@@ -49,6 +50,14 @@ class Ordering(Protocol):
 
 
 PRIORITY_CLASSES = ("high", "normal", "low")
+
+def class_rank(priority: str, classes: tuple[str, ...] = PRIORITY_CLASSES) -> int:
+    """0 for the highest class; a priority outside the classes ranks below them all."""
+    try:
+        return classes.index(priority)
+    except ValueError:
+        return len(classes)
+
 
 # The defaults, here once: the policies', `make_ordering`'s and `[queue]`'s
 # (`proxy.config.QueueConfig.aging_tokens_per_s`, `.fair_share_half_life_s`).
@@ -125,10 +134,7 @@ class PriorityFairShare:
         self._floor: tuple[float, float] | None = None  # (now, least usage at now)
 
     def _rank(self, priority: str) -> int:
-        try:
-            return self.classes.index(priority)
-        except ValueError:
-            return len(self.classes)
+        return class_rank(priority, self.classes)
 
     def _weight(self, tenant: str) -> float:
         return max(1e-9, self.weights.get(tenant, 1.0))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from policies.ordering import PRIORITY_CLASSES
+from policies.ordering import PRIORITY_CLASSES, class_rank
 from proxy.config_values import check_keys, get_num, get_str
 from proxy.modelconfig import ConfigError
 
@@ -54,10 +54,6 @@ class Identity:
 
     tenant: str
     priority: str
-
-
-def _rank(priority: str) -> int:
-    return PRIORITY_CLASSES.index(priority)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,7 +87,7 @@ class Clients:
             tenant, ceiling = "", DEFAULT_PRIORITY
         priority = ceiling
         claimed = claimed_priority.strip().lower()
-        if claimed in PRIORITY_CLASSES and _rank(claimed) > _rank(ceiling):
+        if claimed in PRIORITY_CLASSES and class_rank(claimed) > class_rank(ceiling):
             priority = claimed  # lowering is everyone's right; raising is nobody's
         return Identity(tenant=tenant, priority=priority)
 

@@ -68,6 +68,12 @@ class KvgateError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
 
+    @property
+    def reason(self) -> str:
+        """The rejection's label in metrics and the log line: its code, unless a code
+        covers two causes a client need not tell apart (see `QueueTimeout`)."""
+        return self.code
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(status={self.status}, code={self.code!r}, {self.message!r})"
 
@@ -188,12 +194,23 @@ class QueueFull(KvgateError):
 
 
 class QueueTimeout(KvgateError):
-    """The request's deadline passed while it waited for capacity."""
+    """The request's deadline passed while it waited for capacity, or it was predicted
+    not to start before it and refused at once (`predicted`; reason
+    `queue_timeout_predicted` in metrics and logs, the same code for the client)."""
 
     status = 429
     code = "queue_timeout"
     type = "rate_limit_error"
     retryable = True
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None,
+                 predicted: bool = False) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.predicted = predicted
+
+    @property
+    def reason(self) -> str:
+        return "queue_timeout_predicted" if self.predicted else self.code
 
 
 class NoBackend(KvgateError):

@@ -125,7 +125,7 @@ class Gate:
                 outcome = Outcome.UPSTREAM_ERROR
             return sent
         except KvgateError as exc:  # a rejection before the lease, or the upstream's failure
-            outcome = exc.code
+            outcome = exc.reason
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = Outcome.CLIENT_DISCONNECT

@@ -175,6 +175,7 @@ class SimReport:
     kv_use: dict[str, float]
     ledger_use: dict[str, float]
     queue_wait_s: dict[str, float | None]
+    rejection_latency_s: dict[str, float | None]  # arrival to the 429, 503 or 413
     ttft_s: dict[str, float | None]
     preemptions: int
     ttft_slo_s: float
@@ -283,6 +284,7 @@ class _Replay:
         self.peaks = {b.name: 0 for b in self.backends}
         self.min_headroom = (s.capacity_tokens, 0.0, self.backends[0].name)
         self.waits: list[float] = []
+        self.rejection_waits: list[float] = []
         self.ttfts: list[float] = []
         self.resident_per_request: list[int] = []
         self.completed = 0
@@ -331,6 +333,7 @@ class _Replay:
             run = await self.gate.handle(ask, record, send)
         except KvgateError as exc:
             self.rejected[exc.code] = self.rejected.get(exc.code, 0) + 1
+            self.rejection_waits.append(self.loop.time() - arrival)
             return
         if run.status != 200:
             self.rejected[ENGINE_REFUSED] = self.rejected.get(ENGINE_REFUSED, 0) + 1
@@ -429,6 +432,7 @@ class _Replay:
             min_headroom_backend=where,
             kv_use=spread(kv), ledger_use=spread(led),
             queue_wait_s=pct(self.waits, (0.5, 0.99)),
+            rejection_latency_s=pct(self.rejection_waits, (0.5, 0.9, 0.99)),
             ttft_s=pct(self.ttfts, (0.5, 0.99)),
             preemptions=sum(e.preemptions for e in self.engines.values()),
             ttft_slo_s=s.ttft_slo_s, goodput=self.good,

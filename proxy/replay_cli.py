@@ -111,6 +111,8 @@ def render(report: SimReport, speed: Any) -> str:
         f"queue wait: p50 {_fmt(r.queue_wait_s['p50'])}, p99 {_fmt(r.queue_wait_s['p99'])}",
         f"time to first token: p50 {_fmt(r.ttft_s['p50'])}, p99 {_fmt(r.ttft_s['p99'])}",
         f"rejections: {r.rejected_total} ({r.rejected_ratio:.2%}): {rej}",
+        f"  answered after: p50 {_fmt(r.rejection_latency_s['p50'])}, "
+        f"p99 {_fmt(r.rejection_latency_s['p99'])} from arrival",
         f"preemptions: {r.preemptions}",
         f"goodput (completed with TTFT <= {r.ttft_slo_s:g} s): {r.goodput} of {r.requests} "
         f"({r.goodput_ratio:.2%})",

@@ -487,3 +487,58 @@ def test_lease_ids_differ_within_and_across_processes() -> None:
                             check=True, timeout=60).stdout.strip()
     assert ours[0] != ours[1]
     assert theirs and theirs not in ours
+
+
+def test_a_request_that_cannot_start_in_time_is_refused_at_once() -> None:
+    """Releases have run at 100 tokens/s; the pool (100) is full and 150 tokens wait
+    ahead with time to spare. A 50-token request with 1 s left would need 2 s: refused
+    at once with the predicted reason; with 3 s left it waits and gets in."""
+    async def scenario() -> None:
+        c, _ = controller(capacity=100, depth=8)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        clock = [t0]
+        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0])
+        c.release_rate.record(100)
+        clock[0] = t0 + 1.0  # 100 tokens in the last second
+        hog = await c.acquire(demand(100), soon())
+        ahead = [asyncio.ensure_future(c.acquire(demand(75), loop.time() + 10))
+                 for _ in range(2)]
+        await asyncio.sleep(0)
+        started = loop.time()
+        with pytest.raises(QueueTimeout) as late:
+            await c.acquire(demand(50), loop.time() + 1.0)
+        assert late.value.predicted and late.value.reason == "queue_timeout_predicted"
+        assert late.value.code == "queue_timeout"
+        assert "predicted to wait 2000 ms more for 50 tokens" in late.value.message
+        assert loop.time() - started < 0.05
+        waiter = asyncio.ensure_future(c.acquire(demand(50), loop.time() + 3.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # 2 s < 3 s: it waits
+        hog.release()
+        for fut in ahead:  # 75 + 75 > 100: one after the other
+            (await asyncio.wait_for(fut, 1)).release()
+        (await asyncio.wait_for(waiter, 1)).release()
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_that_can_no_longer_start_in_time_is_refused_before_its_deadline() -> None:
+    async def scenario() -> None:
+        c, _ = controller(capacity=100, depth=8)
+        loop = asyncio.get_running_loop()
+        hog = await c.acquire(demand(100), soon())
+        waiter = asyncio.ensure_future(c.acquire(demand(60), loop.time() + 2.0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # no release seen yet: nothing to predict from
+        clock = [loop.time()]
+        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0])
+        c.release_rate.record(10)
+        clock[0] += 1.0  # 10 tokens/s: 60 tokens take 6 s, past its deadline
+        c.kick()
+        with pytest.raises(QueueTimeout) as late:
+            await asyncio.wait_for(waiter, 1)
+        assert late.value.predicted
+        hog.release()
+
+    asyncio.run(scenario())
