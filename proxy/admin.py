@@ -71,6 +71,7 @@ class AdminViews:
             "admission_target_tokens": backend.target_tokens,
             "leases": ledger.lease_count(backend.name),
             "inflight": backend.inflight,
+            "slots": backend.slots,
         }
         if gate.tracker is not None:
             target = gate.targets[backend.name]

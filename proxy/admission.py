@@ -26,6 +26,7 @@ from dataclasses import replace
 from policies.ordering import Ordering, WaiterView, class_rank, make_ordering
 from policies.placement import BackendRoom, PlacementName, rank_backends
 from proxy.config import QueueConfig
+from proxy.deadlines import predict_waits
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
@@ -37,12 +38,10 @@ __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "
 # share a Redis ledger (which relies on it to recognise a retried reserve) without a
 # random-number system call per lease, as uuid4() makes.
 _LEASE_PREFIX = secrets.token_hex(8)
-# A request is refused at once when its predicted wait, times this, passes its deadline.
-# `kvgate simulate` on the Azure conversation slice (2 x 16,384 tokens, 3 s deadline,
-# speed 4 and 8): 1.0 raised goodput 948 -> 1,012 and 602 -> 739 against refusing only
-# at the deadline; 1.5 and 2.0 refused requests that would have made it (goodput 788
-# and 775 at speed 4, with the arrival check alone).
-_PREDICTION_MARGIN = 1.0
+# Admission by deadline (`proxy.deadlines`), measured with `kvgate simulate` on the
+# Azure conversation slice (2 x 16,384 tokens, 3 s deadline, speed 4 and 8): goodput
+# 948 -> 1,012 and 602 -> 739 against refusing only at the deadline. Refusing on the
+# predicted wait x 1.5 (or 2) refused requests that would have made it: 788 (775).
 _lease_seq = itertools.count(1)
 
 
@@ -135,6 +134,13 @@ class AdmissionController:
         backend._capacity_tokens = capacity_tokens
         self.kick()
 
+    def set_slots(self, backend: Backend, slots: int | None) -> None:
+        """The engine's own concurrency (llama.cpp reports it in /props)."""
+        if slots is not None and slots < 1:
+            raise ValueError(f"`slots` must be >= 1. Given: {slots}")
+        backend._slots = slots
+        self.kick()
+
     def set_healthy(self, backend: Backend, healthy: bool) -> None:
         """A backend that becomes healthy may take the queue's head at once."""
         if healthy == backend._healthy:
@@ -176,30 +182,19 @@ class AdmissionController:
             if b.healthy
         ]
 
-    def predicted_wait_s(self, demand: Demand, now: float) -> float | None:
-        """Seconds until releases at the recent rate make room for `demand`, behind the
-        waiters the ordering puts ahead of it; None while no release has been seen.
-
-        A waiter ahead whose deadline comes before room opens for it leaves the queue
-        without taking any: it is not counted (in a deep queue most of those ahead time
-        out, and counting them all would refuse requests that would have got in).
-        """
+    def _predicted(self, order: list[_Waiter], now: float,
+                   extra: tuple[Demand, float] | None = None) -> list[tuple[float, bool]] | None:
+        """`predict_waits` over the waiters in `order` (and `extra`, a newcomer behind
+        those the ordering puts ahead of it); None while no release has been seen."""
         rate = self.release_rate.tokens_per_s()
         if rate <= 0:
             return None
-        need = -sum(max(0, r.free_tokens) for r in self.rooms(demand))
-        if self._waiters:
-            mine = self._ordering.key(WaiterView(
-                seq=1 << 62, arrival=now, demand_tokens=demand.tokens,  # after every waiter
-                priority=demand.priority, tenant=demand.tenant), now)
-            ahead = sorted(((self._ordering.key(w.view, now), w) for w in self._waiters
-                            if not w.fut.done()), key=lambda kw: kw[0])
-            for key, w in ahead:
-                if key >= mine:
-                    break
-                if now + max(0, need + w.demand.tokens) / rate <= w.deadline:
-                    need += w.demand.tokens
-        return max(0, need + demand.tokens) / rate
+        queue = [(w.demand.tokens, w.deadline) for w in order]
+        if extra is not None:
+            queue.append((extra[0].tokens, extra[1]))
+        free = sum(max(0, r.free_tokens)
+                   for r in self.rooms(extra[0] if extra is not None else None))
+        return predict_waits(rate, free, queue, now)
 
     def retry_after_s(self, extra_tokens: int = 0) -> float:
         free = sum(max(0, r.free_tokens) for r in self.rooms())
@@ -240,9 +235,15 @@ class AdmissionController:
                 retry_after_s=self.retry_after_s(demand.tokens),
             )
         arrival = loop.time()
-        wait_s = self.predicted_wait_s(demand, arrival)
-        if wait_s is not None and arrival + wait_s * _PREDICTION_MARGIN > deadline:
-            raise self._predicted_late(demand, wait_s, deadline - arrival)
+        mine = self._ordering.key(WaiterView(
+            seq=1 << 62, arrival=arrival, demand_tokens=demand.tokens,  # behind its equals
+            priority=demand.priority, tenant=demand.tenant), arrival)
+        ahead = sorted((w for w in self._waiters if not w.fut.done()
+                        and self._ordering.key(w.view, arrival) < mine),
+                       key=lambda w: self._ordering.key(w.view, arrival))
+        predicted = self._predicted(ahead, arrival, (demand, deadline))
+        if predicted is not None and not predicted[-1][1]:
+            raise self._predicted_late(demand, predicted[-1][0], deadline - arrival)
         view = WaiterView(
             seq=next(self._seq),
             arrival=arrival,
@@ -318,6 +319,8 @@ class AdmissionController:
     async def _try_place(self, demand: Demand) -> Lease | None:
         for name in rank_backends(self.rooms(demand), demand.tokens, self._placement):
             backend = self._by_name[name]
+            if not backend.slot_free:
+                continue  # the engine would queue it inside, behind its busy slots
             lease_id = f"{_LEASE_PREFIX}{next(_lease_seq):x}"
             if await self._ledger.reserve(name, lease_id, demand.tokens,
                                           self._admission_room(backend, demand)):
@@ -433,21 +436,13 @@ class AdmissionController:
 
     def _refuse_the_late(self, order: list[_Waiter], now: float) -> None:
         """Refuse now, rather than at its deadline, each waiter that releases at the
-        recent rate cannot reach before its deadline, counting only the waiters ahead
-        that can (`predicted_wait_s`'s rule, in one pass over the queue's order)."""
-        rate = self.release_rate.tokens_per_s()
-        if rate <= 0:
-            return
-        need = -sum(max(0, r.free_tokens) for r in self.rooms())
-        for w in order:
-            if w.fut.done():
-                continue
-            wait_s = max(0, need + w.demand.tokens) / rate
-            if now + wait_s * _PREDICTION_MARGIN <= w.deadline:
-                need += w.demand.tokens
-                continue
-            self._waiters.remove(w)
-            w.fut.set_exception(self._predicted_late(w.demand, wait_s, w.deadline - now))
+        recent rate cannot reach in time (`proxy.deadlines`)."""
+        waiting = [w for w in order if not w.fut.done()]
+        for w, (wait_s, in_time) in zip(waiting, self._predicted(waiting, now) or [],
+                                        strict=False):
+            if not in_time:
+                self._waiters.remove(w)
+                w.fut.set_exception(self._predicted_late(w.demand, wait_s, w.deadline - now))
 
     def _predicted_late(self, demand: Demand, wait_s: float, left_s: float) -> QueueTimeout:
         return QueueTimeout(

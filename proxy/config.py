@@ -102,6 +102,7 @@ class BackendConfig:
     url: str
     api_key: str | None = None
     kind: EngineKind = EngineKind.VLLM
+    slots: int | None = None  # requests the engine runs at once (llama.cpp: -np); None: any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -399,7 +400,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         bw = f"{w}backends[{j}]."
         if not isinstance(b, Mapping):
             raise ConfigError(f"`{bw[:-1]}` must be a table")
-        check_keys(b, {"name", "url", "api_key", "kind"}, bw)
+        check_keys(b, {"name", "url", "api_key", "kind", "slots"}, bw)
         url = get_str(b, "url", bw)
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"`{bw}url` must start with http:// or https://. Given: {url!r}")
@@ -410,9 +411,10 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             kind = engine_kind(get_str(b, "kind", bw, field_default(BackendConfig, "kind")))
         except ValueError as exc:
             raise ConfigError(f"`{bw}kind`: {exc}") from exc
+        slots = get_int(b, "slots", bw, None, minimum=1) if "slots" in b else None
         backends.append(BackendConfig(
             name=get_str(b, "name", bw, f"{name}-{j}"), url=url, api_key=key, kind=kind,
-        ))
+            slots=slots))
     names = [b.name for b in backends]
     if len(set(names)) != len(names):
         raise ConfigError(f"`{w}backends` names must be unique. Given: {names}")

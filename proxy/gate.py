@@ -87,7 +87,7 @@ class Gate:
         # model's layout never changes and lengths repeat.
         self.ledger_tokens: Callable[[int], int] = functools.lru_cache(maxsize=16384)(
             self._ledger_tokens)
-        backends = [Backend(name=b.name, url=b.url, api_key=b.api_key,
+        backends = [Backend(name=b.name, url=b.url, api_key=b.api_key, slots=b.slots,
                             capacity_tokens=config.capacity_tokens) for b in config.backends]
         self.controller: AdmissionController = controller_for(
             model=config.name, backends=backends, ledger=ledger, queue=queue,

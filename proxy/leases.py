@@ -34,16 +34,18 @@ class Backend:
     can open room then wakes the queue in the one place that knows about it.
     """
 
-    __slots__ = ("_capacity_tokens", "_healthy", "_inflight", "_target_factor", "api_key",
-                 "name", "url")
+    __slots__ = ("_capacity_tokens", "_healthy", "_inflight", "_slots", "_target_factor",
+                 "api_key", "name", "url")
 
-    def __init__(self, *, name: str, url: str, capacity_tokens: int, api_key: str | None = None):
+    def __init__(self, *, name: str, url: str, capacity_tokens: int, api_key: str | None = None,
+                 slots: int | None = None):
         self.name = name
         self.url = url.rstrip("/")
         self.api_key = api_key
         self._capacity_tokens = capacity_tokens
         self._healthy = capacity_tokens > 0  # unknown capacity: not ready yet
         self._inflight = 0
+        self._slots = slots
         # The share of capacity new admissions may fill (adaptive reservation moves
         # it from the engine's own figures); growth of live leases may use it all.
         self._target_factor = 1.0
@@ -60,6 +62,16 @@ class Backend:
     def inflight(self) -> int:
         """Leases this process holds on the backend now."""
         return self._inflight
+
+    @property
+    def slots(self) -> int | None:
+        """Requests the engine runs at once; more would wait inside it, out of sight of
+        kvgate's queue (llama.cpp's slots). None: no such limit."""
+        return self._slots
+
+    @property
+    def slot_free(self) -> bool:
+        return self._slots is None or self._inflight < self._slots
 
     @property
     def target_factor(self) -> float:

@@ -8,11 +8,13 @@ this module only reads the engines over HTTP.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import aiohttp
 
-from proxy.admission import Backend
+from policies.engines import EngineKind
+from proxy.admission import AdmissionController, Backend
 from proxy.engine_metrics import EngineLoad, engine_load, kv_capacity_tokens
 from proxy.runtime import Runtime
 
@@ -52,6 +54,22 @@ class EngineReader:
         return None if text is None else engine_load(text)
 
 
+async def _read_slots(session: aiohttp.ClientSession, controller: AdmissionController,
+                      backend: Backend) -> None:
+    """llama.cpp runs `total_slots` requests at once (its `-np`) and queues the rest
+    inside, where no deadline or priority of kvgate's applies: a second ceiling."""
+    text = await _get_text(session, f"{backend.url}/props")
+    try:
+        slots = json.loads(text).get("total_slots") if text else None
+    except (ValueError, AttributeError):
+        return
+    if isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1 \
+            and slots != backend.slots:
+        log.warning("backend %s runs %d requests at once (llama.cpp slots)", backend.name,
+                    slots)
+        controller.set_slots(backend, slots)
+
+
 async def health_loop(runtime: Runtime, session: aiohttp.ClientSession) -> None:
     """Probe every backend each `health_interval_s`; where the model takes its capacity
     from the engine (`capacity_from_backend`), a backend is ready once it reports one."""
@@ -59,8 +77,10 @@ async def health_loop(runtime: Runtime, session: aiohttp.ClientSession) -> None:
     while True:
         for gate in runtime.gates.values():
             controller = gate.controller
-            for backend in gate.backends:
+            for backend, configured in zip(gate.backends, gate.config.backends, strict=True):
                 healthy = await _probe(session, backend)
+                if healthy and configured.kind is EngineKind.LLAMA_CPP and configured.slots is None:
+                    await _read_slots(session, controller, backend)
                 if healthy and gate.config.capacity_from_backend:
                     text = await _get_text(session, f"{backend.url}/metrics")
                     measured = None if text is None else kv_capacity_tokens(text)

@@ -120,3 +120,53 @@ def test_the_cap_rewrites_n_predict_too() -> None:
         assert sent["n_predict"] == 100 and sent["max_tokens"] == 100
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("from_props", [False, True])
+def test_no_more_requests_than_the_engine_has_slots(from_props: bool) -> None:
+    """A backend with 2 slots gets at most 2 requests at once; the rest wait in kvgate's
+    queue (where deadlines and priorities apply), not inside the engine."""
+    running = [0]
+    most = [0]
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        await asyncio.sleep(0.2)
+        running[0] -= 1
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"},
+             "finish_reason": "stop"}], "usage": {"completion_tokens": 1}})
+
+    async def props(request: web.Request) -> web.Response:  # as llama-server answers
+        return web.json_response({"default_generation_settings": {"n_ctx": 4096},
+                                  "total_slots": 2})
+
+    backend: dict[str, Any] = {"kind": "llama.cpp"} if from_props else {
+        "kind": "llama.cpp", "slots": 2}
+
+    async def scenario() -> None:
+        async with fake_backend(chat, props=props) as url, \
+                running_stack(backends=0, extra_backend_urls=[url], kv_tokens=16384,
+                              backend=backend) as stack, \
+                aiohttp.ClientSession() as s:
+            async with asyncio.timeout(5):
+                while stack.state.backends()[0].slots != 2 or \
+                        not stack.state.backends()[0].healthy:
+                    await asyncio.sleep(0.02)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 5}
+
+            async def one() -> tuple[int, float]:
+                async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    return resp.status, float(resp.headers["x-kvgate-queue-wait-ms"])
+
+            answers = await asyncio.gather(*(one() for _ in range(6)))
+            assert [status for status, _ in answers] == [200] * 6
+            assert most[0] == 2
+            waits = sorted(wait for _, wait in answers)
+            assert waits[1] < 100 and waits[2] > 150 and waits[4] > 350  # three rounds
+
+    asyncio.run(scenario())

@@ -25,8 +25,9 @@ async def running_sim(**kwargs: Any) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def fake_backend(chat_handler: Any) -> AsyncIterator[str]:
-    """A minimal backend: the given chat handler and a healthy /health."""
+async def fake_backend(chat_handler: Any, **get_routes: Any) -> AsyncIterator[str]:
+    """A minimal backend: the given chat handler, a healthy /health, and GET handlers
+    by path (`props=handler` serves /props)."""
     from aiohttp import web
 
     async def health(request: web.Request) -> web.Response:
@@ -35,6 +36,8 @@ async def fake_backend(chat_handler: Any) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat_handler)
     app.router.add_get("/health", health)
+    for name, handler in get_routes.items():
+        app.router.add_get(f"/{name}", handler)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
