@@ -10,17 +10,22 @@ The counts are the same function of the same bytes, so they are exactly the same
 Wire: one Unix socket pair per worker; frames of `!II` (payload length, request id) and
 a payload. Request: one byte for the endpoint (`c` chat, `p` completions) then the body.
 Answer: JSON, `{"ok": [counts...], "cache": [hits, misses, bytes, entries]}`, or
-`{"template": message}` (the chat template refused: the caller's 400), or `{"fail":
-message}` (a defect: the caller's 500). Id 0 is the worker's "loaded and ready".
+`{"template": message}` (the chat template refused: the caller's 400), or
+`{"count_failed": message}` (no tokenizer could count the text: `CountFailed`, the
+caller's 500), or `{"fail": message}` (a defect: the caller's 500). Id 0 is the
+worker's "loaded and ready". A tokenizer library's panic (a `BaseException`) is
+answered as `count_failed` too: the worker goes on.
 
-A worker that dies (killed, out of memory) is dropped: the requests it held, and every
-later one while no worker is left, count in the proxy process as without workers. A
-worker exits when its socket closes, so it never outlives the proxy.
+A worker that dies (killed, out of memory) is restarted, at most `RESTARTS_PER_MINUTE`
+times a minute over all workers (each restart and each wait is logged); the requests
+it held, and every later one while no worker is up, count in the proxy process as
+without workers. A worker exits when its socket closes, so it never outlives the proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import gc
@@ -38,8 +43,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from proxy.tokenize import TemplateError
+from proxy.tokenize import CountFailed, TemplateError
 from proxy.tokenize.cache import CacheStats
+from proxy.tokenize.guard import is_panic
 
 __all__ = ["CountWorkers", "WorkerGone"]
 
@@ -49,6 +55,10 @@ _READY_ID = 0
 _STATS_FIELDS = ("hits", "misses", "size_bytes", "entries")  # the order workers send
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 START_TIMEOUT_S = 120.0
+# A worker that dies is started again, but not more often than this over a minute (all
+# workers together): a model that kills every worker it loads must not fork forever.
+RESTARTS_PER_MINUTE = 5
+_RESTART_WINDOW_S = 60.0
 
 log = logging.getLogger("kvgate")
 
@@ -68,6 +78,8 @@ class _Worker(asyncio.Protocol):
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.alive = True
         self.counted = 0
+        self.restarts = 0  # how many workers held this slot before this one
+        self.on_lost: Any = None  # called with this worker once it is gone (set when in use)
         self.cache: dict[str, list[int]] = {}
         self._ids = itertools.count(1)
         self._buffer = bytearray()
@@ -105,6 +117,8 @@ class _Worker(asyncio.Protocol):
             if not waiter.done():
                 waiter.set_exception(gone)
         self.pending.clear()
+        if self.on_lost is not None:
+            self.on_lost(self)
 
     def send(self, endpoint: str, body: bytes) -> asyncio.Future[Any]:
         assert self.transport is not None
@@ -126,41 +140,111 @@ class CountWorkers:
         self._size = workers
         self._workers: list[_Worker] = []
         self._turn = itertools.count()
+        self._closing = False
+        self._restarted_at: collections.deque[float] = collections.deque()
+        self._restarting: set[asyncio.Task[None]] = set()
 
     @property
     def alive(self) -> list[_Worker]:
         return [w for w in self._workers if w.alive]
 
-    async def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Start every worker and wait until each has loaded its counters."""
+    async def _spawn(self, index: int) -> _Worker:
+        """One worker process and its socket; it says ready once it has loaded."""
         loop = asyncio.get_running_loop()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [_PACKAGE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "proxy.count_workers", str(theirs.fileno()),
+                json.dumps(self._models),
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        worker = _Worker(index, proc)
+        try:
+            await loop.create_unix_connection(lambda: worker, sock=mine)
+        except BaseException:
+            mine.close()
+            await _stop(worker)
+            raise
+        return worker
+
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start every worker and wait until each has loaded its counters."""
         try:
             for index in range(self._size):
-                mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "proxy.count_workers", str(theirs.fileno()),
-                        json.dumps(self._models),
-                        pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                    )
-                except BaseException:
-                    mine.close()
-                    raise
-                finally:
-                    theirs.close()
-                worker = _Worker(index, proc)
-                self._workers.append(worker)
-                await loop.create_unix_connection(lambda w=worker: w, sock=mine)  # type: ignore[misc]
+                self._workers.append(await self._spawn(index))
             async with asyncio.timeout(timeout_s):
                 await asyncio.gather(*(w.ready for w in self._workers))
         except BaseException:
             await self.close()
             raise
+        for worker in self._workers:
+            worker.on_lost = self._lost
+
+    def _lost(self, worker: _Worker) -> None:
+        """A worker in use is gone: start another in its slot (not while closing)."""
+        if self._closing or self._workers[worker.index] is not worker:
+            return
+        task = asyncio.get_running_loop().create_task(self._restart(worker))
+        self._restarting.add(task)
+        task.add_done_callback(self._restarting.discard)
+
+    async def _restart(self, dead: _Worker) -> None:
+        """Replace `dead` once a new worker in its slot is ready; within the budget of
+        `RESTARTS_PER_MINUTE`, waiting where it is spent; a failed start is retried."""
+        loop = asyncio.get_running_loop()
+        await _reap(dead.proc)
+        log.error("count worker %d (pid %d) exited with status %s; starting another",
+                  dead.index, dead.proc.pid, dead.proc.returncode)
+        while not self._closing:
+            now = loop.time()
+            while self._restarted_at and now - self._restarted_at[0] >= _RESTART_WINDOW_S:
+                self._restarted_at.popleft()
+            if len(self._restarted_at) >= RESTARTS_PER_MINUTE:
+                wait = _RESTART_WINDOW_S - (now - self._restarted_at[0])
+                log.error("count workers were restarted %d times in the last minute; "
+                          "worker %d starts again in %.0f s (its requests count in the "
+                          "proxy process meanwhile)", len(self._restarted_at), dead.index,
+                          wait)
+                await asyncio.sleep(wait)
+                continue
+            self._restarted_at.append(now)
+            worker: _Worker | None = None
+            try:
+                worker = await self._spawn(dead.index)
+                async with asyncio.timeout(START_TIMEOUT_S):
+                    await worker.ready
+            except Exception as exc:
+                log.error("restarting count worker %d failed: %s", dead.index, exc)
+                if worker is not None:
+                    await _stop(worker)
+                continue
+            except BaseException:  # cancelled by `close`
+                if worker is not None:
+                    await _stop(worker)
+                raise
+            worker.restarts = dead.restarts + 1
+            if self._closing:
+                await _stop(worker)
+                return
+            self._workers[dead.index] = worker
+            worker.on_lost = self._lost
+            log.warning("count worker %d restarted (pid %d, restart %d of this slot)",
+                        dead.index, worker.proc.pid, worker.restarts)
+            return
 
     async def close(self) -> None:
+        self._closing = True
+        for task in list(self._restarting):
+            task.cancel()
+        await asyncio.gather(*self._restarting, return_exceptions=True)
         for w in self._workers:
             if w.transport is not None:
                 w.transport.close()
@@ -196,6 +280,8 @@ class CountWorkers:
             return counts
         if "template" in answer:
             raise TemplateError(answer["template"])
+        if "count_failed" in answer:
+            raise CountFailed(answer["count_failed"])
         raise RuntimeError(f"count worker {worker.index} failed: {answer['fail']}")
 
     def cache_stats(self, model: str) -> CacheStats | None:
@@ -205,8 +291,16 @@ class CountWorkers:
         return functools.reduce(operator.add, seen) if seen else None
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{"pid": w.proc.pid, "alive": w.alive, "counted": w.counted}
-                for w in self._workers]
+        return [{"pid": w.proc.pid, "alive": w.alive, "counted": w.counted,
+                 "restarts": w.restarts} for w in self._workers]
+
+
+async def _stop(worker: _Worker) -> None:
+    """A worker not (or no longer) in use: close its socket, which ends it, and reap it."""
+    worker.on_lost = None
+    if worker.transport is not None:
+        worker.transport.close()
+    await _reap(worker.proc)
 
 
 async def _reap(proc: asyncio.subprocess.Process, timeout_s: float = 5.0) -> None:
@@ -247,8 +341,14 @@ def _answer(counters: Mapping[str, Any], payload: bytes) -> dict[str, Any]:
             counts = [counter.count_prompt(p) for p in req.prompts]
     except TemplateError as exc:
         return {"template": str(exc)}
+    except CountFailed as exc:
+        return {"count_failed": str(exc)}
     except Exception as exc:  # reported to the proxy, which answers 500 and logs it
         return {"fail": f"{type(exc).__name__}: {exc}"}
+    except BaseException as exc:
+        if is_panic(exc):  # the counters catch theirs; this one must not end the worker
+            return {"count_failed": f"the tokenizer panicked: {exc}"}
+        raise
     stats = counter.cache_stats()
     cache = ([getattr(stats, f) for f in _STATS_FIELDS] if stats is not None
              else [0] * len(_STATS_FIELDS))

@@ -2,7 +2,7 @@
 
 The workers must exist as separate processes, do the counting, and give exactly the
 counts transformers gives, with the fast encoder on and off. A worker that dies hands
-its share back to the proxy's own counter, still exact.
+its share back to the proxy's own counter, still exact, and is restarted.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_template_refusal_from_a_worker_is_the_same_400() -> None:
     assert data["error"]["param"] == "messages"
 
 
-def test_a_dead_worker_leaves_counting_exact() -> None:
+def test_a_dead_worker_leaves_counting_exact_and_is_restarted() -> None:
     chats = _requests(hf_tokenizer(MODELS / MODEL))[:12]
 
     async def scenario() -> None:
@@ -130,8 +130,15 @@ def test_a_dead_worker_leaves_counting_exact() -> None:
                                                  {"model": MODEL, "max_tokens": 4, **chat})
                 assert status == 200
                 assert headers["x-kvgate-prompt-tokens"] == str(expected)
-            async with asyncio.timeout(5):
-                while (await _state(s, stack))["count_workers"][0]["alive"]:
+            async with asyncio.timeout(60):  # a new worker in its slot, loaded and counting
+                while not ((now := (await _state(s, stack))["count_workers"][0])["alive"]
+                           and now["pid"] != worker["pid"]):
                     await asyncio.sleep(0.05)
+            assert now["restarts"] == 1
+            chat, expected = chats[0]
+            status, headers, _ = await _post(s, stack, "/v1/chat/completions",
+                                             {"model": MODEL, "max_tokens": 4, **chat})
+            assert status == 200 and headers["x-kvgate-prompt-tokens"] == str(expected)
+            assert (await _state(s, stack))["count_workers"][0]["counted"] == 1
 
     asyncio.run(scenario())

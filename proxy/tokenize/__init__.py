@@ -12,9 +12,15 @@ it. So the count follows the engine's path, not an estimate:
 Loading happens once per model; `count_*` are synchronous and CPU-bound, and the
 server runs them in a thread pool (`TokenCounter.count_chat_async`).
 
+Hostile text (a million spaces in a row breaks tiktoken's regex, and its Rust core
+panics with a `BaseException`) is counted exactly all the same, on a path that can
+take it; where none can, every count path raises `CountFailed`, which the HTTP
+layer answers as a 500 naming the request id (`proxy.tokenize.guard`).
+
 The package: `base` (request and protocol types, errors), `templates` (jinja with
 transformers' semantics), `encoders` (`tokenizers`, tiktoken, and the fast exact
-byte-level BPE), `counting` (the counters), `loading` (a model directory -> a counter).
+byte-level BPE), `guard` (what keeps hostile text from breaking them), `counting`
+(the counters), `loading` (a model directory -> a counter).
 
 Import as `proxy.tokenize`: the name shadows the stdlib's `tokenize` only for code
 run from inside `proxy/`.
@@ -29,10 +35,12 @@ from proxy.tokenize.base import (
     TokenizerLoadError,
 )
 from proxy.tokenize.counting import MistralTokenCounter, TokenCounter, count_executor
+from proxy.tokenize.guard import CountFailed
 from proxy.tokenize.loading import load_counter
 
 __all__ = [
     "ChatRequest",
+    "CountFailed",
     "MistralTokenCounter",
     "PromptCounter",
     "RenderedChat",

@@ -28,10 +28,16 @@ also encodes a built-in probe set (scripts, emoji, combining marks, whitespace
 runs, digits, CRLF, special-token text) exactly as `tokenizers` does. Anything
 else keeps `tokenizers`; `kvgate check-config` says which path each model takes.
 `KVGATE_FAST_BPE=0` forces `tokenizers` everywhere.
+
+Text that would break the core's regex (a run of a million spaces makes it panic,
+`proxy.tokenize.guard`) never reaches it: a long whitespace run is cut out where the
+pattern is proven to allow it, and anything else of that kind, or anything the core
+still raises, is counted by `tokenizers`, exactly.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -41,10 +47,20 @@ from pathlib import Path
 from typing import Any
 
 from proxy.tokenize.encoders import HFEncoder, SpecialSplitter
+from proxy.tokenize.guard import (
+    LONG_RUN,
+    PATTERNS,
+    RunCutter,
+    gap_runs,
+    is_library_failure,
+    whitespace_runs,
+)
 
 __all__ = ["ByteLevelBPEEncoder", "FastPlan", "fast_bpe_enabled", "plan_fast_bpe", "try_fast"]
 
 ENV_SWITCH = "KVGATE_FAST_BPE"
+
+log = logging.getLogger("kvgate")
 
 # Text the fast path must encode exactly as `tokenizers` before it is used.
 PROBES: tuple[str, ...] = (
@@ -123,6 +139,7 @@ class FastPlan:
     """What tiktoken's core needs, derived from one `tokenizer.json`."""
 
     pat_str: str
+    pattern: str  # the last Split regex, as `pat_str` has it before kvgate's catch-all
     pre_splits: tuple[str, ...]  # earlier Split regexes, run in Python before the core
     ranks: dict[bytes, int]
     nfc: bool
@@ -225,7 +242,8 @@ def plan_fast_bpe(tokenizer_json: Mapping[str, Any],
     # A catch-all for text the regex does not match: `Split(Isolated)` keeps such
     # gaps as pieces, tiktoken would drop them. Never reached for total patterns.
     pat_str = f"{pattern}|(?:(?!(?:{pattern}))[\\s\\S])+"
-    return FastPlan(pat_str=pat_str, pre_splits=tuple(pre_splits), ranks=ranks, nfc=nfc,
+    return FastPlan(pat_str=pat_str, pattern=pattern, pre_splits=tuple(pre_splits),
+                    ranks=ranks, nfc=nfc,
                     plain_adds_tokens=_post_adds_tokens(tokenizer_json.get("post_processor")))
 
 
@@ -243,11 +261,15 @@ def _vocab_merges_to_itself(reference: HFEncoder, tokenizer_json: Mapping[str, A
     )
 
 
+class _ToReference(Exception):
+    """A piece the core must not be given and no cutter takes: `tokenizers` counts."""
+
+
 class ByteLevelBPEEncoder:
     """tiktoken's BPE core on a `tokenizer.json` vocab, with `tokenizers`' added-token split.
 
-    Falls back to the reference for text the core cannot take (lone surrogates),
-    so errors stay those of `tokenizers`.
+    Falls back to the reference for text the core cannot take (lone surrogates, runs
+    that break its regex, anything it raises), so errors stay those of `tokenizers`.
     """
 
     def __init__(self, *, reference: HFEncoder, core: Any, plan: FastPlan,
@@ -258,6 +280,14 @@ class ByteLevelBPEEncoder:
         # does not give; here the error reaches `encode_segment`, which asks the
         # reference (tests/test_fast_bpe.py checks it on surrogates).
         self._core_encode = core._core_bpe.encode_ordinary
+        # Pieces of `LONG_RUN` characters or more are checked first (`_long`).
+        facts = PATTERNS.get(plan.pattern)
+        self._cutter = None if facts is None else RunCutter(
+            plan.pattern, encode_ordinary=self._core_encode,
+            encode_piece=core._core_bpe.encode_single_piece)
+        self._check_gaps = facts is None or not facts.total
+        if self._check_gaps:
+            gap_runs()  # built once (~0.3 s), at load rather than on a request
         self._pre_splits = [_compile_split(p) for p in plan.pre_splits]
         self._unassigned = _unassigned_chars() if self._pre_splits else None
         # NFC through the reference's own normalizer: Python's unicodedata follows
@@ -277,17 +307,44 @@ class ByteLevelBPEEncoder:
             if self._normalize is not None and not text.isascii():
                 text = self._normalize(text)  # NFC is idempotent: the reference may redo it
             if not self._pre_splits:
-                ids: list[int] = self._core_encode(text)
-                return ids
+                if len(text) < LONG_RUN:
+                    ids: list[int] = self._core_encode(text)
+                    return ids
+                return self._long(text)
             if (self._unassigned is not None and not text.isascii()
                     and self._unassigned.search(text)):
                 return self._ref.encode_segment(text)
             ids = []
+            core = self._core_encode
             for piece in self._pieces(text):
-                ids += self._core_encode(piece)
+                ids += core(piece) if len(piece) < LONG_RUN else self._long(piece)
             return ids
         except UnicodeEncodeError:  # lone surrogates: whatever `tokenizers` does with them
             return self._ref.encode_segment(original)
+        except _ToReference:
+            return self._ref.encode_segment(original)
+        except BaseException as exc:
+            # The safety net: a panic (a BaseException) or an error from the core on text
+            # no pre-check foresaw; KeyboardInterrupt, CancelledError and the like pass.
+            if not is_library_failure(exc):
+                raise
+            log.warning("the fast byte-level path failed on a segment of %d characters "
+                        "(%s: %s); counting it with tokenizers", len(original),
+                        type(exc).__name__, exc)
+            return self._ref.encode_segment(original)
+
+    def _long(self, piece: str) -> list[int]:
+        """A piece of `LONG_RUN` characters or more, for the core: a long whitespace run
+        is cut out where the pattern allows it; a run no cutter takes, and a long gap
+        (`gap_runs`, patterns that do not match everywhere), go to the reference."""
+        if self._check_gaps and gap_runs()(piece):
+            raise _ToReference
+        if whitespace_runs(piece):
+            if self._cutter is None:
+                raise _ToReference
+            return self._cutter.encode(piece)
+        ids: list[int] = self._core_encode(piece)
+        return ids
 
     def _pieces(self, text: str) -> list[str]:
         """`Split(Isolated)` steps before the last: matches and the gaps between them

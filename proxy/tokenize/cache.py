@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from proxy.tokenize.guard import CountFailed, is_panic
+
 __all__ = ["CacheStats", "CountCache", "SegmentCounter"]
 
 MIN_CACHED_CHARS = 64
@@ -127,11 +129,19 @@ class SegmentCounter:
         return known, todo
 
     def finish(self, todo: list[str]) -> int:
-        """Encode what `plan` left, remembering the long segments."""
+        """Encode what `plan` left, remembering the long segments. A panic the encoder
+        let through is `CountFailed` (the encoders catch theirs: this is the last net),
+        and nothing is cached for the segment it came from."""
         total = 0
         cache = self.cache
         for segment in todo:
-            n = len(self._encode(segment))
+            try:
+                n = len(self._encode(segment))
+            except BaseException as exc:
+                if is_panic(exc):
+                    raise CountFailed(f"the tokenizer panicked on a segment of "
+                                      f"{len(segment)} characters: {exc}") from exc
+                raise
             if cache is not None and len(segment) >= MIN_CACHED_CHARS:
                 cache.put(segment, n)
             total += n

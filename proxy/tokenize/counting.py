@@ -1,4 +1,11 @@
-"""The counters: a chat or a prompt in, the engine's exact prompt-token count out."""
+"""The counters: a chat or a prompt in, the engine's exact prompt-token count out.
+
+Every count path (`count_chat`, `count_prompt`, `count_rendered_async` and the other
+`_async` variants, inline or in the pool) gives the exact count or raises: a
+tokenizer's own error, `TemplateError` for a chat the template refuses, or
+`CountFailed` where the tokenizer library failed and nothing else could count (a Rust
+panic, a `BaseException`, never escapes as one).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ from proxy.tokenize.base import (
     TokenizerLoadError,
 )
 from proxy.tokenize.cache import DEFAULT_CACHE_BYTES, CacheStats, CountCache, SegmentCounter
+from proxy.tokenize.encoders import run_cutter, tiktoken_failure
+from proxy.tokenize.guard import LONG_RUN, CountFailed, RunCutter, is_panic, whitespace_runs
 from proxy.tokenize.templates import (
     ChatTemplate,
     ContentFormat,
@@ -222,7 +231,13 @@ class TokenCounter(_OffLoop):
     def count_prompt(self, prompt: str | Sequence[int]) -> int:
         """One completion prompt: text gets the tokenizer's BOS rule, ids count as given."""
         if isinstance(prompt, str):
-            return len(self._encoder.encode_plain(prompt, add_special_tokens=True))
+            try:
+                return len(self._encoder.encode_plain(prompt, add_special_tokens=True))
+            except BaseException as exc:  # the encoders catch theirs: this is the last net
+                if is_panic(exc):
+                    raise CountFailed(f"model {self.name!r}: the tokenizer panicked on a "
+                                      f"prompt of {len(prompt)} characters: {exc}") from exc
+                raise
         return len(prompt)
 
     def token_id(self, token: str) -> int | None:
@@ -250,6 +265,7 @@ class MistralTokenCounter(_OffLoop):
             self._tok = MistralTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises many kinds on a bad file
             raise TokenizerLoadError(f"{path} is not a usable tekken tokenizer: {exc}") from exc
+        self.guarded = _guard_tekken(self._tok)
 
     encoder_description = "mistral-common (tekken)"
     bound_description = "none (counted before admission)"
@@ -260,6 +276,9 @@ class MistralTokenCounter(_OffLoop):
     @property
     def has_chat_template(self) -> bool:
         return True
+
+    def _failed(self, exc: BaseException) -> CountFailed:
+        return CountFailed(f"model {self.name!r}: mistral-common's tokenizer failed: {exc}")
 
     def count_chat(self, chat: ChatRequest) -> int:
         from mistral_common.exceptions import MistralCommonException
@@ -285,7 +304,13 @@ class MistralTokenCounter(_OffLoop):
                 request.messages[-1] = last.model_copy(update={"prefix": True})
             tokens: list[int] = self._tok.encode_chat_completion(request).tokens
         except (MistralCommonException, ValidationError, ValueError, TypeError) as exc:
+            if tiktoken_failure(exc):  # the text broke tiktoken's regex: not the client's fault
+                raise self._failed(exc) from exc
             raise TemplateError(f"Mistral request encoder rejected the request: {exc}") from exc
+        except BaseException as exc:
+            if is_panic(exc):
+                raise self._failed(exc) from exc
+            raise
         return len(tokens)
 
     def render_for_count(self, chat: ChatRequest) -> RenderedChat | None:
@@ -296,11 +321,58 @@ class MistralTokenCounter(_OffLoop):
 
     def count_prompt(self, prompt: str | Sequence[int]) -> int:
         if isinstance(prompt, str):
-            ids: list[int] = self._tok.instruct_tokenizer.tokenizer.encode(
-                prompt, bos=True, eos=False
-            )
+            try:
+                ids: list[int] = self._tok.instruct_tokenizer.tokenizer.encode(
+                    prompt, bos=True, eos=False
+                )
+            except BaseException as exc:
+                if tiktoken_failure(exc):
+                    raise self._failed(exc) from exc
+                raise
             return len(ids)
         return len(prompt)
+
+
+class _GuardedEncoding:
+    """A tekken tokenizer's `tiktoken.Encoding` whose `encode(text)` cuts long
+    whitespace runs out (`RunCutter`) before tiktoken's core would fail on them.
+
+    mistral-common's `Tekkenizer.encode` calls `self._model.encode(s)` for prompts and
+    for every message of a chat; the encoding has no special tokens, so that is
+    `encode_ordinary`. Everything else passes through to the encoding itself.
+    """
+
+    def __init__(self, enc: Any, cutter: RunCutter) -> None:
+        self._enc = enc
+        self._cutter = cutter
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        if not kwargs and len(text) >= LONG_RUN and whitespace_runs(text):
+            return self._cutter.encode(text)
+        ids: list[int] = self._enc.encode(text, **kwargs)
+        return ids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._enc, name)
+
+
+def _guard_tekken(tok: Any) -> bool:
+    """Puts `_GuardedEncoding` in front of the tekken tokenizer's encoding, where its
+    pattern is proven to allow cutting (`guard.PATTERNS`) and it holds no special
+    tokens; whether it did (else such text fails as `CountFailed`)."""
+    tekken = getattr(getattr(tok, "instruct_tokenizer", None), "tokenizer", None)
+    enc = getattr(tekken, "_model", None)
+    try:
+        import tiktoken
+    except ImportError:  # pragma: no cover - mistral-common depends on it
+        return False
+    if tekken is None or not isinstance(enc, tiktoken.Encoding) or enc.special_tokens_set:
+        return False
+    cutter = run_cutter(enc)
+    if cutter is None:
+        return False
+    tekken._model = _GuardedEncoding(enc, cutter)
+    return True
 
 
 _executor: ThreadPoolExecutor | None = None

@@ -11,6 +11,10 @@ text at offset 0 of the whole input, so a segment after an added token encodes
 differently on its own. `HFEncoder` checks additivity when it loads (by structure
 and on probe strings) and otherwise encodes the rendered text whole. The fast
 exact byte-level BPE encoder is in `proxy.tokenize.bytelevel`.
+
+A tokenizer library that panics (a Rust panic is a `BaseException`) raises
+`CountFailed` here instead; tiktoken encodings cut long whitespace runs out before
+their core sees them (`proxy.tokenize.guard`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from proxy.tokenize.base import TokenizerLoadError
+from proxy.tokenize.guard import (
+    LONG_RUN,
+    PATTERNS,
+    CountFailed,
+    RunCutter,
+    is_panic,
+    whitespace_runs,
+)
 
 __all__ = ["TIKTOKEN_NAMES", "HFEncoder", "SpecialSplitter", "TiktokenEncoder", "rank_file_name"]
 
@@ -185,7 +197,13 @@ class HFEncoder:
             self.force_bos = self._tok.token_to_id(bos_token)
 
     def encode_plain(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except BaseException as exc:
+            if is_panic(exc):
+                raise CountFailed(f"tokenizers panicked on a prompt of {len(text)} "
+                                  f"characters: {exc}") from exc
+            raise
         bos = self.force_bos
         if add_special_tokens and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
@@ -210,7 +228,13 @@ class HFEncoder:
 
     def encode_segment(self, text: str) -> list[int]:
         """Text with no added token in it: one segment of `split_rendered`."""
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        except BaseException as exc:  # its own errors pass as they are; a panic cannot
+            if is_panic(exc):
+                raise CountFailed(f"tokenizers panicked on a segment of {len(text)} "
+                                  f"characters: {exc}") from exc
+            raise
         return ids
 
     def split_rendered(self, text: str) -> list[str | int]:
@@ -251,8 +275,29 @@ def _special_ids(enc: Any) -> dict[str, int]:
     return {token: int(enc.encode_single_token(token)) for token in enc.special_tokens_set}
 
 
+def tiktoken_failure(exc: BaseException) -> bool:
+    """What tiktoken's core raises where its regex gives up: a panic from
+    `encode_ordinary`, a `ValueError("Regex error while tokenizing: ...")` from `encode`."""
+    return is_panic(exc) or (isinstance(exc, ValueError) and str(exc).startswith("Regex error"))
+
+
+def run_cutter(enc: Any) -> RunCutter | None:
+    """The cutter for a `tiktoken.Encoding` whose pattern is proven to allow it."""
+    pattern = getattr(enc, "_pat_str", None)
+    if pattern not in PATTERNS:
+        return None
+    core = enc._core_bpe
+    return RunCutter(pattern, encode_ordinary=enc.encode_ordinary,
+                     encode_piece=core.encode_single_piece)
+
+
 class TiktokenEncoder:
-    """A tiktoken encoding loaded from a local rank file, never from the network."""
+    """A tiktoken encoding loaded from a local rank file, never from the network.
+
+    Text with a whitespace run of `LONG_RUN` characters or more is encoded with the run
+    cut out (`RunCutter`; every OpenAI pattern is proven to allow it): tiktoken itself
+    would stop there (a panic, or a ValueError). What still fails is `CountFailed`.
+    """
 
     def __init__(self, name: str, rank_file: Path | None) -> None:
         import tiktoken
@@ -271,6 +316,7 @@ class TiktokenEncoder:
             self._enc = self._from_cache(name)
             self._special = _special_ids(self._enc)
             self.splitter = SpecialSplitter(self._special)
+            self._cutter = run_cutter(self._enc)
             return
         real_loader = openai_public.load_tiktoken_bpe
 
@@ -302,6 +348,7 @@ class TiktokenEncoder:
         # tiktoken itself finds specials with a regex and encodes the text between
         # them separately: splitting first gives the same ids.
         self.splitter = SpecialSplitter(self._special)
+        self._cutter = run_cutter(self._enc)
 
     @staticmethod
     def _from_cache(name: str) -> Any:
@@ -325,17 +372,55 @@ class TiktokenEncoder:
             )
         return tiktoken.get_encoding(name)
 
+    def _failed(self, exc: BaseException, text: str) -> CountFailed:
+        return CountFailed(f"{self.description} failed on a text of {len(text)} "
+                           f"characters: {exc}")
+
+    def _cut(self, text: str) -> list[int]:
+        """Text with a long whitespace run, no special tokens: cut, or `CountFailed`."""
+        if self._cutter is None:
+            raise CountFailed(f"{self.description} cannot count a run of "
+                              f"{LONG_RUN:,}+ whitespace characters exactly")
+        return self._cutter.encode(text)
+
     def encode_plain(self, text: str, *, add_special_tokens: bool) -> list[int]:
         # OpenAI's encodings add no BOS; special-token text in a prompt is plain text.
-        ids: list[int] = self._enc.encode(text, disallowed_special=())
+        if len(text) >= LONG_RUN and whitespace_runs(text):
+            return self._cut(text)
+        try:
+            ids: list[int] = self._enc.encode(text, disallowed_special=())
+        except BaseException as exc:
+            if tiktoken_failure(exc):
+                raise self._failed(exc, text) from exc
+            raise
         return ids
 
     def encode_rendered(self, text: str) -> list[int]:
-        ids: list[int] = self._enc.encode(text, allowed_special="all")
+        if len(text) >= LONG_RUN and whitespace_runs(text):
+            ids: list[int] = []
+            for part in self.splitter.split(text):
+                if isinstance(part, int):
+                    ids.append(part)
+                else:
+                    ids += self.encode_segment(part)
+            return ids
+        try:
+            ids = self._enc.encode(text, allowed_special="all")
+        except BaseException as exc:
+            if tiktoken_failure(exc):
+                raise self._failed(exc, text) from exc
+            raise
         return ids
 
     def encode_segment(self, text: str) -> list[int]:
-        ids: list[int] = self._enc.encode_ordinary(text)
+        if len(text) >= LONG_RUN and whitespace_runs(text):
+            return self._cut(text)
+        try:
+            ids: list[int] = self._enc.encode_ordinary(text)
+        except BaseException as exc:
+            if tiktoken_failure(exc):
+                raise self._failed(exc, text) from exc
+            raise
         return ids
 
     def max_rendered_tokens(self, text: str) -> int | None:
