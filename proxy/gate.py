@@ -48,7 +48,7 @@ from proxy.reservation import (
     apply_engine_report,
     follow_adaptively,
 )
-from proxy.tokenize import PromptCounter, RenderedChat, TemplateError
+from proxy.tokenize import CountFailed, PromptCounter, RenderedChat, TemplateError
 from proxy.validation import Endpoint, ValidRequest
 
 __all__ = ["Gate", "every"]
@@ -165,10 +165,17 @@ class Gate:
         if ask.prompt_tokens is not None:
             prompts = list(ask.prompt_tokens)
         else:
-            if rendered is not None:
-                prompts = _nonempty([await self._counter.count_rendered_async(rendered)])
-            else:
-                prompts = await self._count(req, ask.raw)
+            try:
+                if rendered is not None:
+                    prompts = _nonempty([await self._counter.count_rendered_async(rendered)])
+                else:
+                    prompts = await self._count(req, ask.raw)
+            except CountFailed as exc:  # what no tokenizer here can count exactly
+                _log.warning("request %s: %s", record.request_id, exc)
+                raise InternalError(
+                    f"kvgate could not count this request's prompt exactly (request id "
+                    f"{record.request_id}); it was not admitted and reached no backend"
+                ) from exc
             self.metrics.counted(self.name, prompt_tokens=sum(prompts),
                                  seconds=time.perf_counter() - t0)
         record.prompt_tokens = sum(prompts)
@@ -369,7 +376,12 @@ class Gate:
         """The exact count of a request admitted on a bound: into the record, the metrics
         and the tracker; the lease shrinks to it without holding up the reply."""
         assert admitted.late_count is not None
-        tokens, seconds = await admitted.late_count
+        try:
+            tokens, seconds = await admitted.late_count
+        except CountFailed as exc:  # the bound is a true upper bound: the lease stays on it
+            _log.warning("request %s: the exact count failed; it holds its bound of %d "
+                         "tokens: %s", admitted.record.request_id, admitted.demand.tokens, exc)
+            return
         prompts = _nonempty([tokens])
         record = admitted.record
         record.prompt_tokens = tokens

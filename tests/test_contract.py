@@ -538,3 +538,41 @@ def test_a_stalled_body_is_answered_408_and_its_connection_closed() -> None:
                 assert (await stack.sim_state(s, 0))["finished"] == 0
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("on_bound", [False, True])
+def test_a_count_that_fails_is_a_500_that_names_the_request_and_holds_nothing(
+    monkeypatch: pytest.MonkeyPatch, on_bound: bool
+) -> None:
+    """Where no tokenizer can count a prompt exactly (`CountFailed`): counted first, it
+    is refused with 500 and reaches no backend; admitted on its bound (already sent), it
+    keeps the bound, a true upper bound, as its reservation and is served."""
+    from proxy.tokenize import CountFailed, TokenCounter
+
+    async def failing(self: TokenCounter, rendered: Any) -> int:
+        raise CountFailed("the tokenizer's core gave up on this text")
+
+    monkeypatch.setattr(TokenCounter, "count_rendered_async", failing)
+
+    async def scenario() -> None:
+        server = {"admit_on_bound": on_bound}
+        async with running_stack(backends=1, server=server) as stack, \
+                aiohttp.ClientSession() as s:
+            body = json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 5}).encode()
+            status, headers, data = await post(s, stack.url + PATHS[0], body)
+            if on_bound:
+                assert status == 200, data
+                assert int(headers["x-kvgate-reserved-tokens"]) > 0
+                assert (await stack.sim_state(s, 0))["finished"] == 1
+            else:
+                error = assert_shaped(data, 500, "internal_error")
+                assert headers["x-kvgate-request-id"] in error["message"]
+                assert "could not count" in error["message"]
+                assert (await stack.sim_state(s, 0))["finished"] == 0
+            await settle(stack)
+            async with s.get(f"{stack.url}/metrics") as resp:
+                text = await resp.text()
+            outcome = "completed" if on_bound else "internal_error"
+            assert f'kvgate_requests_total{{model="qwen3-14b",outcome="{outcome}"}} 1.0' in text
+
+    asyncio.run(scenario())
