@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 __all__ = ["ENGINE_DEFAULTS", "ENGINE_TRAITS", "EngineKind", "EngineTraits", "OutputDefault",
-           "default_output_tokens", "engine_kind", "requested_output", "unsafe_for_adaptive"]
+           "counts_normalized", "default_output_tokens", "engine_kind", "requested_output",
+           "unsafe_for_adaptive"]
 
 
 class EngineKind(StrEnum):
@@ -68,19 +69,28 @@ class EngineTraits:
 
     preempts: bool
     output_fields: tuple[str, ...] = ()
+    unicode_normalizer: bool = True  # llama.cpp skips a tokenizer's NFC normalizer
 
 
 ENGINE_TRAITS: dict[EngineKind, EngineTraits] = {
     EngineKind.VLLM: EngineTraits(preempts=True),
     EngineKind.SGLANG: EngineTraits(preempts=True),
     EngineKind.TGI: EngineTraits(preempts=True),
-    EngineKind.LLAMA_CPP: EngineTraits(preempts=False, output_fields=("n_predict",)),
+    EngineKind.LLAMA_CPP: EngineTraits(preempts=False, output_fields=("n_predict",),
+                                       unicode_normalizer=False),
 }
 
 
 def unsafe_for_adaptive(kinds: Iterable[EngineKind]) -> list[EngineKind]:
     """The engines among `kinds` in front of which only strict leases are safe."""
     return sorted({k for k in kinds if not ENGINE_TRAITS[k].preempts})
+
+
+def counts_normalized(kinds: Iterable[EngineKind]) -> bool:
+    """Whether prompts are counted through the tokenizer's Unicode normalizer: as every
+    engine but llama.cpp does. A model served by both counts as vLLM does (normalized):
+    llama.cpp may then hold up to a few percent more on text with decomposed accents."""
+    return any(ENGINE_TRAITS[k].unicode_normalizer for k in set(kinds) or {EngineKind.VLLM})
 
 
 def requested_output(kinds: Iterable[EngineKind], *, max_tokens: int | None,

@@ -39,7 +39,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -133,10 +133,12 @@ class _Worker(asyncio.Protocol):
 class CountWorkers:
     """N worker processes that count for every configured model; see the module doc."""
 
-    def __init__(self, models: Mapping[str, str], workers: int) -> None:
+    def __init__(self, models: Mapping[str, str], workers: int, *,
+                 raw_unicode: Collection[str] = ()) -> None:
         if workers < 1:
             raise ValueError(f"count workers must be >= 1. Given: {workers}")
         self._models = dict(models)
+        self._raw_unicode = sorted(raw_unicode)  # models counted as llama.cpp: no NFC
         self._size = workers
         self._workers: list[_Worker] = []
         self._turn = itertools.count()
@@ -158,7 +160,7 @@ class CountWorkers:
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy.count_workers", str(theirs.fileno()),
-                json.dumps(self._models),
+                json.dumps(self._models), json.dumps(self._raw_unicode),
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
             )
         except BaseException:
@@ -355,13 +357,14 @@ def _answer(counters: Mapping[str, Any], payload: bytes) -> dict[str, Any]:
     return {"ok": list(counts), "model": req.model, "cache": cache}
 
 
-def serve(fd: int, models: Mapping[str, str]) -> None:
+def serve(fd: int, models: Mapping[str, str], raw_unicode: Collection[str] = ()) -> None:
     """A worker's life: load, say ready, then count until the proxy closes the socket."""
     from proxy.tokenize import load_counter
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the proxy; it closes us
     sock = socket.socket(fileno=fd)
-    counters = {name: load_counter(path, name=name) for name, path in models.items()}
+    counters = {name: load_counter(path, name=name, unicode_normalizer=name not in raw_unicode)
+                for name, path in models.items()}
     gc.freeze()
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the proxy is gone
         sock.sendall(_HEADER.pack(0, _READY_ID))
@@ -378,4 +381,5 @@ def serve(fd: int, models: Mapping[str, str]) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), json.loads(sys.argv[2]))
+    serve(int(sys.argv[1]), json.loads(sys.argv[2]),
+          json.loads(sys.argv[3]) if len(sys.argv) > 3 else ())

@@ -170,3 +170,33 @@ def test_no_more_requests_than_the_engine_has_slots(from_props: bool) -> None:
             assert waits[1] < 100 and waits[2] > 150 and waits[4] > 350  # three rounds
 
     asyncio.run(scenario())
+
+
+def test_llama_cpp_backends_are_counted_without_the_nfc_normalizer() -> None:
+    """llama.cpp skips Qwen's NFC normalizer: a decomposed accent is two code points
+    there and more tokens than vLLM counts. kvgate counts as the engine behind it does:
+    equal to `tokenizers` with the normalizer removed."""
+    import unicodedata
+
+    from tokenizers import Tokenizer
+
+    from proxy.tokenize import ChatRequest, load_counter
+    from tests.support.corpus import conversations
+
+    model = MODELS / MODEL
+    raw = json.loads((model / "tokenizer.json").read_text())
+    assert raw["normalizer"]["type"] == "NFC"
+    skipping = Tokenizer.from_str(json.dumps({**raw, "normalizer": None}))
+    nfc = load_counter(model, name="nfc")
+    llama = load_counter(model, name="llama", unicode_normalizer=False)
+    assert "NFC normalizer skipped" in llama.encoder_description
+    differ = 0
+    for i, conv in enumerate(conversations(tools=False)):
+        messages = [{**m, "content": unicodedata.normalize("NFD", m["content"])}
+                    if isinstance(m.get("content"), str) else m for m in conv["messages"]]
+        chat = ChatRequest(messages=messages)
+        text = nfc.render_chat(chat)
+        expected = len(skipping.encode(text, add_special_tokens=False).ids)
+        assert llama.count_chat(chat) == expected, i
+        differ += nfc.count_chat(chat) != expected
+    assert differ > 0  # the corpus has accents: the two engines' counts do differ

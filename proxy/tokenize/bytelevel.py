@@ -400,7 +400,7 @@ class ByteLevelBPEEncoder:
         return self._ref.token_id(token)
 
 
-_built: dict[tuple[str, int, int], tuple[Any, FastPlan] | str] = {}
+_built: dict[tuple[str, int, int, bool], tuple[Any, FastPlan] | str] = {}
 _built_lock = threading.Lock()
 
 
@@ -410,7 +410,9 @@ def _core_for(path: Path, tokenizer_json: Mapping[str, Any], reference: HFEncode
     import tiktoken
 
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    # the same file counted with and without its normalizer (llama.cpp skips NFC)
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size,
+           tokenizer_json.get("normalizer") is None)
     with _built_lock:
         if key in _built:
             return _built[key]

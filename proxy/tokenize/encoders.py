@@ -19,6 +19,7 @@ their core sees them (`proxy.tokenize.guard`).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -161,10 +162,14 @@ class HFEncoder:
         add_bos_token: bool | None,
         bos_token: str | None,
         tokenizer_json: Mapping[str, Any] | None = None,
+        from_json: bool = False,
     ) -> None:
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(path))
+        # from_json: `tokenizer_json` as changed by the loader (its normalizer skipped)
+        self._tok = (Tokenizer.from_str(json.dumps(tokenizer_json))
+                     if from_json and tokenizer_json is not None
+                     else Tokenizer.from_file(str(path)))
         self.description = "tokenizers"
         self.bound_description = "none (counted before admission)"
         self.fast = False

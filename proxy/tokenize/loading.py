@@ -20,6 +20,7 @@ def load_counter(
     name: str | None = None,
     encoding: str | None = None,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
+    unicode_normalizer: bool = True,
 ) -> PromptCounter:
     """Load a model directory as vLLM is given one, or `tiktoken:<encoding>`.
 
@@ -27,6 +28,10 @@ def load_counter(
     or `chat_template.json`), or a `<encoding>.tiktoken` rank file (`encoding`
     picks one; `o200k_harmony` reads `o200k_base.tiktoken` and adds its specials), or
     Mistral's `tekken.json` (through mistral-common, when installed).
+
+    `unicode_normalizer=False` counts as llama.cpp does: it skips a tokenizer's NFC
+    normalizer (and nothing else), so text with decomposed accents holds more tokens
+    there (measured: up to +3.4% on the Qwen3 corpus) than vLLM, which applies it.
 
     A byte-level BPE `tokenizer.json` counts on tiktoken's core where that is proven
     exact (`proxy.tokenize.bytelevel`); `cache_bytes` bounds the count cache of
@@ -59,16 +64,22 @@ def load_counter(
         if config.get("tokenizer_class") not in ("LlamaTokenizerFast", "LlamaTokenizer"):
             add_bos = None  # only Llama-style tokenizers rebuild BOS from the config
         tokenizer_json = read_json(path / "tokenizer.json")
+        skipped = None
+        if not unicode_normalizer and _is_nfc(tokenizer_json.get("normalizer")):
+            skipped, tokenizer_json = "NFC", {**tokenizer_json, "normalizer": None}
         reference = HFEncoder(
             path / "tokenizer.json",
             add_bos_token=bool(add_bos) if add_bos is not None else None,
             bos_token=special.get("bos_token"),
             tokenizer_json=tokenizer_json,
+            from_json=skipped is not None,
         )
         fast, why = try_fast(path / "tokenizer.json", tokenizer_json, reference)
         encoder: Encoder = fast if fast is not None else reference
         if fast is None:
             reference.description = f"tokenizers (fast path off: {why})"
+        if skipped is not None:
+            encoder.description += f"; {skipped} normalizer skipped, as the engine does"
         if reference.split_off is not None:
             reference.description += (
                 f"; segment splitting off (prompts encoded whole): {reference.split_off}")
@@ -91,3 +102,13 @@ def load_counter(
     raise TokenizerLoadError(
         f"{path} has no tokenizer: expected tokenizer.json or a <encoding>.tiktoken file"
     )
+
+
+def _is_nfc(normalizer: object) -> bool:
+    """An NFC normalizer, alone or as the only step of a Sequence."""
+    if not isinstance(normalizer, dict):
+        return False
+    if normalizer.get("type") == "Sequence":
+        steps = normalizer.get("normalizers") or []
+        return len(steps) == 1 and _is_nfc(steps[0])
+    return normalizer.get("type") == "NFC"
