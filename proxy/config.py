@@ -301,7 +301,7 @@ def _deployment(
     )
     if from_backend and "kv_tokens" not in data and "usable_memory" not in data:
         # Nothing is admitted to a backend until its /metrics has given its capacity.
-        source = "backend metrics (vllm:cache_config_info)"
+        source = "the backend's report (vLLM /metrics cache_config_info, llama.cpp /props)"
         return deployment, block_size, 0, source, config_len, from_backend
     if "kv_tokens" in data:
         kv_tokens = get_int(data, "kv_tokens", w, None, minimum=block_size)

@@ -10,15 +10,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 
 import aiohttp
 
 from policies.engines import EngineKind
-from proxy.admission import AdmissionController, Backend
+from proxy.admission import Backend
 from proxy.engine_metrics import EngineLoad, engine_load, kv_capacity_tokens
 from proxy.runtime import Runtime
 
-__all__ = ["EngineReader", "health_loop"]
+__all__ = ["EngineReader", "LlamaProps", "health_loop", "llama_props"]
 
 log = logging.getLogger("kvgate")
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
@@ -54,36 +55,59 @@ class EngineReader:
         return None if text is None else engine_load(text)
 
 
-async def _read_slots(session: aiohttp.ClientSession, controller: AdmissionController,
-                      backend: Backend) -> None:
-    """llama.cpp runs `total_slots` requests at once (its `-np`) and queues the rest
-    inside, where no deadline or priority of kvgate's applies: a second ceiling."""
-    text = await _get_text(session, f"{backend.url}/props")
+@dataclass(frozen=True, slots=True)
+class LlamaProps:
+    """What llama.cpp's `/props` says of its pool: `total_slots` requests run at once
+    (its `-np`), each within `n_ctx` tokens. With one unified KV pool (its default
+    without `-np`) `n_ctx` is the whole pool; with a pool split per slot it is one
+    slot's share. /props does not say which, so `n_ctx` is the capacity kvgate reads:
+    exact for a unified pool, on the safe side (a slot's share) for a split one."""
+
+    total_slots: int
+    n_ctx: int
+
+
+def llama_props(text: str | None) -> LlamaProps | None:
+    if not text:
+        return None
     try:
-        slots = json.loads(text).get("total_slots") if text else None
-    except (ValueError, AttributeError):
-        return
-    if isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1 \
-            and slots != backend.slots:
-        log.warning("backend %s runs %d requests at once (llama.cpp slots)", backend.name,
-                    slots)
-        controller.set_slots(backend, slots)
+        data = json.loads(text)
+        slots = data["total_slots"]
+        n_ctx = data["default_generation_settings"]["n_ctx"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+               for v in (slots, n_ctx)):
+        return None
+    return LlamaProps(total_slots=slots, n_ctx=n_ctx)
 
 
 async def health_loop(runtime: Runtime, session: aiohttp.ClientSession) -> None:
     """Probe every backend each `health_interval_s`; where the model takes its capacity
-    from the engine (`capacity_from_backend`), a backend is ready once it reports one."""
+    from the engine (`capacity_from_backend`), a backend is ready once it reports one:
+    vLLM in `/metrics` (`cache_config_info`), llama.cpp in `/props`. llama.cpp's slot
+    count is a second ceiling where the config gives none: more requests would wait
+    inside the engine, where no deadline or priority of kvgate's applies."""
     interval = runtime.config.server.health_interval_s
     while True:
         for gate in runtime.gates.values():
             controller = gate.controller
             for backend, configured in zip(gate.backends, gate.config.backends, strict=True):
                 healthy = await _probe(session, backend)
-                if healthy and configured.kind is EngineKind.LLAMA_CPP and configured.slots is None:
-                    await _read_slots(session, controller, backend)
+                props = None
+                if healthy and configured.kind is EngineKind.LLAMA_CPP:
+                    props = llama_props(await _get_text(session, f"{backend.url}/props"))
+                if props is not None and configured.slots is None \
+                        and props.total_slots != backend.slots:
+                    log.warning("backend %s runs %d requests at once (llama.cpp slots)",
+                                backend.name, props.total_slots)
+                    controller.set_slots(backend, props.total_slots)
                 if healthy and gate.config.capacity_from_backend:
-                    text = await _get_text(session, f"{backend.url}/metrics")
-                    measured = None if text is None else kv_capacity_tokens(text)
+                    if configured.kind is EngineKind.LLAMA_CPP:
+                        measured = None if props is None else props.n_ctx
+                    else:
+                        text = await _get_text(session, f"{backend.url}/metrics")
+                        measured = None if text is None else kv_capacity_tokens(text)
                     if measured is not None and measured != backend.capacity_tokens:
                         log.warning("backend %s reports %d KV tokens (was %d)", backend.name,
                                     measured, backend.capacity_tokens)

@@ -200,3 +200,26 @@ def test_llama_cpp_backends_are_counted_without_the_nfc_normalizer() -> None:
         assert llama.count_chat(chat) == expected, i
         differ += nfc.count_chat(chat) != expected
     assert differ > 0  # the corpus has accents: the two engines' counts do differ
+
+
+def test_capacity_from_a_llama_cpp_backend_is_its_props_n_ctx() -> None:
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def props(request: web.Request) -> web.Response:  # as llama-server answers
+        return web.json_response({"default_generation_settings": {"n_ctx": 4096},
+                                  "total_slots": 4})
+
+    async def scenario() -> None:
+        model = {"deployment": {"capacity_from_backend": True, "block_size": 16}}
+        async with fake_backend(chat, props=props) as url, \
+                running_stack(backends=0, extra_backend_urls=[url], model=model,
+                              backend={"kind": "llama.cpp"}) as stack:
+            backend = stack.state.backends()[0]
+            assert backend.capacity_tokens == 0 and not backend.healthy  # not known yet
+            async with asyncio.timeout(5):
+                while not backend.healthy:
+                    await asyncio.sleep(0.02)
+            assert (backend.capacity_tokens, backend.slots) == (4096, 4)
+
+    asyncio.run(scenario())
