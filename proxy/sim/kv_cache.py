@@ -114,6 +114,10 @@ class BlockPool:
         """Blocks with a hash, referenced or not."""
         return sum(len(by_id) for by_id in self._cached.values())
 
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next evicted) first."""
+        return list(self._free)
+
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
