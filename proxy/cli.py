@@ -68,6 +68,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         output_length=OutputLength(args.output_len),
         median_output_tokens=args.median_output_tokens,
         seed=args.seed,
+        prefix_caching=args.prefix_caching,
     )
     if args.model_dir is None:
         from proxy.bundled import bundled_model_dir
@@ -100,6 +101,8 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "(default: the bundled Qwen3 tokenizer and chat template)")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn off vLLM-style prefix caching (on by default, as in vLLM v1)")
     p.set_defaults(func=_cmd_sim)
 
 

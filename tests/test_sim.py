@@ -53,8 +53,10 @@ def test_sim_finish_reason_and_usage_exact_with_real_tokenizer() -> None:
             async with s.post(f"{base}/v1/chat/completions", json=body) as resp:
                 data = await resp.json()
             assert data["choices"][0]["finish_reason"] == "length"
+            # 15 prompt tokens: under one block of 16, so nothing to find cached
             assert data["usage"] == {"prompt_tokens": expected_prompt, "completion_tokens": 7,
-                                     "total_tokens": expected_prompt + 7}
+                                     "total_tokens": expected_prompt + 7,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
             body = {**body, "stream": True, "stream_options": {"include_usage": True}}
             async with s.post(f"{base}/v1/chat/completions", json=body) as resp:
                 events = await read_sse(resp)
@@ -101,7 +103,8 @@ def test_sim_n_choices_and_completions_default_16() -> None:
                               json={"model": "sim-model", "prompt": [1, 2, 3]}) as resp:
                 data = await resp.json()
             assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 16,
-                                     "total_tokens": 19}
+                                     "total_tokens": 19,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
 
     asyncio.run(scenario())
 
@@ -344,8 +347,10 @@ def test_sim_metrics_report_usage_fraction_and_abort_a_waiting_request_on_discon
     """A client that gives up before its first token frees its place in the engine."""
     async def scenario() -> None:
         # 16 blocks; each request needs 13 for its prompt (206 tokens): one runs, one waits
+        # (without prefix caching: with it, the second's equal prompt shares 12 blocks)
         async with running_sim(kv_tokens=256, output_length=OutputLength.MAX,
-                               decode_step_ms=30) as base, aiohttp.ClientSession() as s:
+                               decode_step_ms=30, prefix_caching=False) as base, \
+                aiohttp.ClientSession() as s:
             body = chat_body("x" * 800, max_tokens=45, stream=True)
             first = await s.post(f"{base}/v1/chat/completions", json=body)
             await first.content.readline()

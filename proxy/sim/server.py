@@ -3,8 +3,12 @@
 Token text is synthetic; `usage` is exact: prompt tokens come from the model's real
 tokenizer and chat template when a model directory is given (else an estimate of
 one token per 4 characters plus 4 per message), and completion tokens equal the
-tokens streamed. Without `max_tokens` a chat request may run to the context limit
-and a completion request stops at 16, as vLLM does.
+tokens streamed. With prefix caching on (the default), the prompt's token ids (or the
+estimate's synthetic ones, `proxy.sim.prompts`) name its KV blocks, and
+`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens the engine
+found cached when it first scheduled the request (for `n` > 1, the first choice's).
+Without `max_tokens` a chat request may run to the context limit and a completion
+request stops at 16, as vLLM does.
 
 Where a sequence stops: vLLM's `ignore_eos` and `min_tokens` are honoured, and the
 simulator-only field `sim_output_tokens` places the "EOS" exactly, so a benchmark can
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -27,6 +30,7 @@ from aiohttp import web
 
 from proxy.errors import InvalidRequest, KvgateError
 from proxy.sim.engine import EngineConfig, FinishReason, Sequence, SimEngine
+from proxy.sim.prompts import Prompt, prompts_of
 from proxy.tokenize import PromptCounter, TemplateError, load_counter
 from proxy.validation import Endpoint, ValidRequest, validate
 
@@ -53,30 +57,10 @@ def _error(exc: KvgateError) -> web.Response:
     return web.json_response(exc.to_body(), status=exc.status)
 
 
-def _estimate_chat(req: ValidRequest) -> int:
-    assert req.chat is not None
-    total = 2
-    for message in req.chat.messages:
-        content = message.get("content") or ""
-        if isinstance(content, list):
-            content = "\n".join(str(p.get("text", "")) for p in content)
-        total += 4 + math.ceil(len(str(content)) / 4)
-    return total
-
-
-def _prompt_tokens(app: web.Application, req: ValidRequest) -> list[int]:
-    counter = app.get(COUNTER_KEY)
-    if req.chat is not None:
-        return [counter.count_chat(req.chat) if counter else _estimate_chat(req)]
-    out = []
-    for prompt in req.prompts:
-        if counter is not None:
-            out.append(counter.count_prompt(prompt))
-        elif isinstance(prompt, str):
-            out.append(max(1, math.ceil(len(prompt) / 4)))
-        else:
-            out.append(len(prompt))
-    return out
+def _prompts(app: web.Application, req: ValidRequest) -> list[Prompt]:
+    """Counts, and the token ids prefix caching keys on when it is on."""
+    return prompts_of(app.get(COUNTER_KEY), req,
+                      token_ids=app[SETTINGS_KEY].engine.prefix_caching)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +112,7 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
     try:
         req = validate(await request.read(), endpoint)
         stopping = _stopping(req.body)
-        prompts = _prompt_tokens(app, req)
+        prompts = _prompts(app, req)
     except KvgateError as exc:
         return _error(exc)
     except TemplateError as exc:
@@ -141,7 +125,8 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
         )
     seqs: list[Sequence] = []
     out: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
-    for p_tokens in prompts:
+    for prompt in prompts:
+        p_tokens = prompt.tokens
         max_tokens = _max_tokens(req, p_tokens, settings)
         room = settings.max_model_len - p_tokens
         if room < 1 or max_tokens < 1:  # vLLM refuses only a prompt that fills the context
@@ -161,26 +146,43 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
                 f"of {engine.config.num_blocks * engine.config.block_size} tokens",
                 param="max_tokens"))
     try:
-        for i, p_tokens in enumerate(prompts):
-            max_tokens = _max_tokens(req, p_tokens, settings)
+        for i, prompt in enumerate(prompts):
+            max_tokens = _max_tokens(req, prompt.tokens, settings)
+            # hashed once, shared by its n choices (which then share its cached blocks)
+            hashes = (None if prompt.token_ids is None
+                      else engine.prompt_block_hashes(prompt.token_ids))
             for j in range(req.n):
                 seqs.append(engine.submit(
-                    prompt_tokens=p_tokens, max_tokens=max_tokens, out=out,
+                    prompt_tokens=prompt.tokens, max_tokens=max_tokens, out=out,
                     index=i * req.n + j, eos_after=stopping.eos_after,
-                    ignore_eos=stopping.ignore_eos, min_tokens=stopping.min_tokens))
+                    ignore_eos=stopping.ignore_eos, min_tokens=stopping.min_tokens,
+                    block_hashes=hashes))
         rid = f"{'chatcmpl' if endpoint is Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+        usage = _Usage(sum(p.tokens for p in prompts), seqs[::req.n],
+                       details=engine.config.prefix_caching)
         if req.stream:
-            return await _stream(request, req, seqs, out, rid, sum(prompts))
-        return await _collect(req, seqs, out, rid, sum(prompts))
+            return await _stream(request, req, seqs, out, rid, usage)
+        return await _collect(req, seqs, out, rid, usage)
     finally:
         for seq in seqs:
             engine.abort(seq)  # no-op for finished ones; frees blocks on disconnect
 
 
-def _usage(prompt_tokens: int, seqs: list[Sequence]) -> dict[str, int]:
-    completion = sum(s.generated for s in seqs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+@dataclass(frozen=True, slots=True)
+class _Usage:
+    prompt_tokens: int
+    firsts: list[Sequence]  # each prompt's first choice: its cached tokens are the prompt's
+    details: bool  # prompt_tokens_details (prefix caching on)
+
+    def body(self, seqs: list[Sequence]) -> dict[str, Any]:
+        completion = sum(s.generated for s in seqs)
+        out: dict[str, Any] = {"prompt_tokens": self.prompt_tokens,
+                               "completion_tokens": completion,
+                               "total_tokens": self.prompt_tokens + completion}
+        if self.details:
+            cached = sum(s.cached_tokens or 0 for s in self.firsts)
+            out["prompt_tokens_details"] = {"cached_tokens": cached}
+        return out
 
 
 async def _drain(
@@ -196,7 +198,7 @@ async def _drain(
 
 async def _collect(
     req: ValidRequest, seqs: list[Sequence], out: asyncio.Queue[tuple[int, int | None]],
-    rid: str, prompt_tokens: int,
+    rid: str, usage: _Usage,
 ) -> web.Response:
     async for _ in _drain(seqs, out):
         pass
@@ -216,13 +218,13 @@ async def _collect(
         "created": int(time.time()),
         "model": req.model,
         "choices": choices,
-        "usage": _usage(prompt_tokens, seqs),
+        "usage": usage.body(seqs),
     })
 
 
 async def _stream(
     request: web.Request, req: ValidRequest, seqs: list[Sequence],
-    out: asyncio.Queue[tuple[int, int | None]], rid: str, prompt_tokens: int,
+    out: asyncio.Queue[tuple[int, int | None]], rid: str, usage: _Usage,
 ) -> web.StreamResponse:
     """vLLM's stream: its headers go at once (Starlette's StreamingResponse sends them
     before it asks the generator for a chunk), its body with the first engine output:
@@ -262,7 +264,7 @@ async def _stream(
         first = b""
     options = req.body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):
-        await resp.write(chunk([], usage=_usage(prompt_tokens, seqs)))
+        await resp.write(chunk([], usage=usage.body(seqs)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -290,7 +292,7 @@ async def _health(request: web.Request) -> web.Response:
 def metrics_text(engine: SimEngine, model: str) -> str:
     cfg = engine.config
     label = f'model_name="{model}"'
-    usage = engine.blocks_used / cfg.num_blocks
+    usage = engine.kv_cache_usage
     lines = [
         "# TYPE vllm:kv_cache_usage_perc gauge",
         f"vllm:kv_cache_usage_perc{{{label}}} {usage}",
@@ -304,11 +306,23 @@ def metrics_text(engine: SimEngine, model: str) -> str:
         f"vllm:prompt_tokens_total{{{label}}} {engine.prompt_tokens_total}",
         "# TYPE vllm:generation_tokens_total counter",
         f"vllm:generation_tokens_total{{{label}}} {engine.generation_tokens_total}",
+        "# TYPE vllm:prefix_cache_queries_total counter",
+        f"vllm:prefix_cache_queries_total{{{label}}} {engine.prefix_cache_queries}",
+        "# TYPE vllm:prefix_cache_hits_total counter",
+        f"vllm:prefix_cache_hits_total{{{label}}} {engine.prefix_cache_hits}",
         "# TYPE vllm:cache_config_info gauge",
         f'vllm:cache_config_info{{block_size="{cfg.block_size}",'
-        f'num_gpu_blocks="{cfg.num_blocks}",cache_dtype="auto"}} 1.0',
+        f'num_gpu_blocks="{cfg.num_blocks}",cache_dtype="auto",'
+        f'enable_prefix_caching="{cfg.prefix_caching}"}} 1.0',
         "# TYPE sim:num_gpu_blocks_used gauge",
         f"sim:num_gpu_blocks_used{{{label}}} {engine.blocks_used}",
+        "# TYPE sim:num_gpu_blocks_cached_free gauge",
+        f"sim:num_gpu_blocks_cached_free{{{label}}} {engine.blocks_cached_free}",
+        "# TYPE sim:prefix_cache_preempted_queries_total counter",
+        f"sim:prefix_cache_preempted_queries_total{{{label}}} "
+        f"{engine.prefix_cache_preempted_queries}",
+        "# TYPE sim:prefix_cache_preempted_hits_total counter",
+        f"sim:prefix_cache_preempted_hits_total{{{label}}} {engine.prefix_cache_preempted_hits}",
         "# TYPE sim:peak_gpu_blocks_used gauge",
         f"sim:peak_gpu_blocks_used{{{label}}} {engine.peak_blocks_used}",
         "# TYPE sim:invariant_violations_total counter",
@@ -327,6 +341,10 @@ async def _state(request: web.Request) -> web.Response:
     return web.json_response({
         "num_blocks": engine.config.num_blocks, "block_size": engine.config.block_size,
         "blocks_used": engine.blocks_used, "peak_blocks_used": engine.peak_blocks_used,
+        "blocks_cached_free": engine.blocks_cached_free,
+        "prefix_caching": engine.config.prefix_caching,
+        "prefix_cache_queries": engine.prefix_cache_queries,
+        "prefix_cache_hits": engine.prefix_cache_hits,
         "running": engine.num_running, "waiting": engine.num_waiting,
         "preemptions": engine.preemptions, "finished": engine.finished,
         "invariant_violations": engine.invariant_violations,
