@@ -54,6 +54,9 @@ class SimParams:
     per_seq_ms: float = 0.2
     prefill_tokens_per_s: float = 40000.0
     max_model_len: int = 8192
+    # Off for the scenarios without shared prefixes: their synthetic prompt text
+    # repeats one word, which a prefix cache would share as real traffic never does.
+    prefix_caching: bool = False
 
     def step_s(self, running: float) -> float:
         return (self.decode_step_ms + self.per_seq_ms * running) / 1000
@@ -191,7 +194,8 @@ def cluster(params: SimParams, *, gate: GateSettings | None = None,
                         "--decode-step-ms", str(params.decode_step_ms),
                         "--per-seq-ms", str(params.per_seq_ms),
                         "--prefill-tokens-per-s", str(params.prefill_tokens_per_s),
-                        "--max-model-len", str(params.max_model_len), "--seed", str(seed + i)],
+                        "--max-model-len", str(params.max_model_len), "--seed", str(seed + i),
+                        *([] if params.prefix_caching else ["--no-prefix-caching"])],
                        Path(tmp) / f"sim{i}.log", port, f"sim {i}", procs)
                 sims.append(f"http://127.0.0.1:{port}")
             proxy_url = None
