@@ -66,12 +66,11 @@ def _estimated_text_ids(text: str) -> list[int]:
 
 
 def _encoder_ids(counter: PromptCounter, text: str) -> list[int] | None:
-    # The counter counts a completion prompt through its encoder and exposes no ids.
-    encoder = getattr(counter, "_encoder", None)
-    encode = getattr(encoder, "encode_plain", None)
+    """The counter's ids for a completion prompt, where it gives ids (Mistral's: none)."""
+    encode = getattr(counter, "prompt_token_ids", None)
     if encode is None:
         return None
-    ids: list[int] = encode(text, add_special_tokens=True)
+    ids: list[int] = encode(text)
     return ids
 
 

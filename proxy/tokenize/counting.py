@@ -196,6 +196,10 @@ class TokenCounter(_OffLoop):
     def chat_token_ids(self, chat: ChatRequest) -> list[int]:
         return self._encoder.encode_rendered(self.render_chat(chat))
 
+    def prompt_token_ids(self, prompt: str) -> list[int]:
+        """A completion prompt's ids, with the tokenizer's BOS rule (`count_prompt`'s)."""
+        return self._encoder.encode_plain(prompt, add_special_tokens=True)
+
     def count_chat(self, chat: ChatRequest) -> int:
         return self._segments.count(self.render_chat(chat))
 
