@@ -151,8 +151,10 @@ def test_direct_timeout_client_abandons_and_the_engine_frees_its_place() -> None
              RequestSpec(arrival_s=0.1, prompt_tokens=200, output_tokens=60)]
 
     async def scenario() -> dict[str, Any]:
+        # no prefix caching: the builder's two prompts are the same text, which the
+        # engine would share, and the second would not wait
         async with running_sim(kv_tokens=320, max_model_len=320, model="qwen3-14b",
-                               model_dir=str(QWEN),
+                               model_dir=str(QWEN), prefix_caching=False,
                                output_length=OutputLength.MAX, decode_step_ms=25) as base:
             run = await run_open_loop([base], specs, builder, hard_stop_s=15, give_up_s=0.6,
                                       behaviour=Behaviour.NONE)
