@@ -169,11 +169,13 @@ def llama_server(log_dir: Path, **kwargs: object) -> Iterator[EngineProcess]:
         engine.stop()
 
 
-def start_vllm(log_dir: Path, *, num_blocks: int, block_size: int = 16,
+def start_vllm(log_dir: Path, *, num_blocks: int, block_size: int = 32,
                max_model_len: int = 4096, max_num_seqs: int = 16,
                timeout_s: float = 240.0) -> EngineProcess:
-    """vLLM's OpenAI server (CPU build) with random (dummy) weights for the tiny Qwen3:
-    `num_blocks` x `block_size` tokens of KV cache, healthy on return."""
+    """vLLM's OpenAI server (CPU build) with random (dummy) weights for the tiny Qwen3,
+    healthy on return. `num_blocks` of `block_size` tokens (the CPU attention takes
+    multiples of 32) are its whole KV pool; vLLM keeps one of them as its null block.
+    Prefix caching is off, so that the same greedy request gives the same answer twice."""
     python = vllm_python()
     model = tiny_model_dir()
     port = free_port()
@@ -183,10 +185,12 @@ def start_vllm(log_dir: Path, *, num_blocks: int, block_size: int = 16,
             "--max-model-len", str(max_model_len), "--block-size", str(block_size),
             "--num-gpu-blocks-override", str(num_blocks), "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(max(2048, max_model_len)),
-            "--uvicorn-log-level", "warning"]
+            "--no-enable-prefix-caching", "--uvicorn-log-level", "warning",
+            # tools with the default tool_choice "auto" need a parser (Qwen3's is hermes)
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "2"}
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     log = log_dir / f"vllm-{port}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=log_dir,
