@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3
-engines=${KVGATE_ENGINES:-llama.cpp}
+engines=${KVGATE_ENGINES:-llama.cpp,vllm}
 
 t0=$(date +%s)
 llama=$(PYTHON="$PYTHON" bash scripts/engines/llama_server.sh)
