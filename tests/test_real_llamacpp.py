@@ -61,7 +61,7 @@ def llama(model_dir: Path, logs: Path) -> Iterator[EngineProcess]:
 
 @pytest.fixture(scope="module")
 def llama_long(model_dir: Path, logs: Path) -> Iterator[EngineProcess]:
-    """One slot with room for the corpus's longest chat (about 12k tokens)."""
+    """One slot with room for the corpus's longest chat (11,001 tokens to llama.cpp)."""
     engine = start_llama_server(logs, ctx_size=16384, parallel=1, unified=True)
     try:
         yield engine
@@ -114,13 +114,6 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
         for line in buf.decode().splitlines():
             if line.startswith("data:"):
                 yield line[5:].strip()
-
-
-@contextlib.asynccontextmanager
-async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]
-               ) -> AsyncIterator[aiohttp.ClientResponse]:
-    async with s.post(url, json=body) as resp:
-        yield resp
 
 
 def text_of(choice: dict[str, Any], chat: bool) -> str:
@@ -429,8 +422,7 @@ def llama6(model_dir: Path, logs: Path) -> Iterator[EngineProcess]:
 async def six_long_chats(s: aiohttp.ClientSession, base: str, model_dir: Path
                          ) -> list[dict[str, Any]]:
     messages = prompt_of(model_dir, LONG_PROMPT)
-    bodies = [chat_body([{**messages[0], "content": messages[0]["content"]}],
-                        max_tokens=LONG_OUTPUT) for _ in range(LONG_N)]
+    bodies = [chat_body(messages, max_tokens=LONG_OUTPUT) for _ in range(LONG_N)]
     async with bounded(300):
         return list(await asyncio.gather(*(answer(s, base, "/v1/chat/completions", b)
                                            for b in bodies)))

@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,15 +158,6 @@ def start_llama_server(log_dir: Path, *, ctx_size: int = 2048, parallel: int = 4
         engine.stop()
         raise
     return engine
-
-
-@contextlib.contextmanager
-def llama_server(log_dir: Path, **kwargs: object) -> Iterator[EngineProcess]:
-    engine = start_llama_server(log_dir, **kwargs)  # type: ignore[arg-type]
-    try:
-        yield engine
-    finally:
-        engine.stop()
 
 
 def start_vllm(log_dir: Path, *, num_blocks: int, block_size: int = 32,
