@@ -362,13 +362,14 @@ def test_completion_prompt_counts_llama_cpp_decomposed_accents_are_not_nfc_norma
 def test_200_queued_streams_through_kvgate_no_502(
     llama: EngineProcess, model_dir: Path,
 ) -> None:
-    """32 clients, 200 streams in all, kvgate's queue 256 deep in front of 4 slots:
+    """32 clients, 200 streams in all, kvgate's queue 256 deep in front of 4 slots, its
+    capacity set to 256 tokens so that about 5 streams run and the rest wait in kvgate:
     every stream is a 200 that ends with [DONE] (llama-server closes the connection
     after each streamed answer, the case of a stale pooled connection)."""
     total, clients = 200, 32
 
     async def scenario() -> None:
-        async with kvgate(llama, model_dir, kv_tokens=POOL, max_model_len=POOL,
+        async with kvgate(llama, model_dir, kv_tokens=256, max_model_len=256,
                           queue={"max_depth": 256, "default_deadline_s": 120.0}) as stack, \
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as s:
             todo = list(range(total))
@@ -391,6 +392,10 @@ def test_200_queued_streams_through_kvgate_no_502(
             assert statuses == {200: total}
             assert all(r["done"] and not r["errors"] for r in results)
             assert all(r["finish"] == "length" for r in results)
+            waited = [r for r in results
+                      if float(r["headers"].get("x-kvgate-queue-wait-ms", 0)) > 1.0]
+            print(f"\n{len(waited)} of {total} streams waited in kvgate's queue")
+            assert len(waited) >= total // 2, f"only {len(waited)} streams waited in kvgate"
             assert llama.alive()
 
     asyncio.run(scenario())
