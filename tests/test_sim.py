@@ -204,7 +204,8 @@ def test_sim_metrics_use_vllm_names_and_models_health() -> None:
             # one request: its prompt and its 3 generated tokens
             assert [v for _, v in got["vllm:generation_tokens_total"]] == [3.0]
             assert next(v for _, v in got["vllm:prompt_tokens_total"]) > 0
-            assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="256"' in text
+            # 256 blocks for requests, and the null block vLLM counts in
+            assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="257"' in text
             async with s.get(f"{base}/v1/models") as resp:
                 assert (await resp.json())["data"][0]["id"] == "sim-model"
             async with s.get(f"{base}/health") as resp:

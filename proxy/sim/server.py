@@ -312,7 +312,8 @@ def metrics_text(engine: SimEngine, model: str) -> str:
         f"vllm:prefix_cache_hits_total{{{label}}} {engine.prefix_cache_hits}",
         "# TYPE vllm:cache_config_info gauge",
         f'vllm:cache_config_info{{block_size="{cfg.block_size}",'
-        f'num_gpu_blocks="{cfg.num_blocks}",cache_dtype="auto",'
+        # + vLLM's null block, which its pool counts and never gives a request
+        f'num_gpu_blocks="{cfg.num_blocks + 1}",cache_dtype="auto",'
         f'enable_prefix_caching="{cfg.prefix_caching}"}} 1.0',
         "# TYPE sim:num_gpu_blocks_used gauge",
         f"sim:num_gpu_blocks_used{{{label}}} {engine.blocks_used}",
