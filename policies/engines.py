@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 __all__ = ["ENGINE_DEFAULTS", "ENGINE_TRAITS", "EngineKind", "EngineTraits", "OutputDefault",
-           "counts_normalized", "default_output_tokens", "engine_kind", "requested_output",
+           "counts_as_llama_cpp", "default_output_tokens", "engine_kind", "requested_output",
            "unsafe_for_adaptive"]
 
 
@@ -69,15 +69,13 @@ class EngineTraits:
 
     preempts: bool
     output_fields: tuple[str, ...] = ()
-    unicode_normalizer: bool = True  # llama.cpp skips a tokenizer's NFC normalizer
 
 
 ENGINE_TRAITS: dict[EngineKind, EngineTraits] = {
     EngineKind.VLLM: EngineTraits(preempts=True),
     EngineKind.SGLANG: EngineTraits(preempts=True),
     EngineKind.TGI: EngineTraits(preempts=True),
-    EngineKind.LLAMA_CPP: EngineTraits(preempts=False, output_fields=("n_predict",),
-                                       unicode_normalizer=False),
+    EngineKind.LLAMA_CPP: EngineTraits(preempts=False, output_fields=("n_predict",)),
 }
 
 
@@ -86,11 +84,14 @@ def unsafe_for_adaptive(kinds: Iterable[EngineKind]) -> list[EngineKind]:
     return sorted({k for k in kinds if not ENGINE_TRAITS[k].preempts})
 
 
-def counts_normalized(kinds: Iterable[EngineKind]) -> bool:
-    """Whether prompts are counted through the tokenizer's Unicode normalizer: as every
-    engine but llama.cpp does. A model served by both counts as vLLM does (normalized):
-    llama.cpp may then hold up to a few percent more on text with decomposed accents."""
-    return any(ENGINE_TRAITS[k].unicode_normalizer for k in set(kinds) or {EngineKind.VLLM})
+def counts_as_llama_cpp(kinds: Iterable[EngineKind]) -> bool:
+    """Whether a model's prompts are counted as llama.cpp counts them: it skips the
+    tokenizer's NFC normalizer (decomposed accents hold more tokens) and continues a
+    final assistant message (no end of turn). Only where every backend is llama.cpp; a
+    model served by both counts as vLLM does, and llama.cpp may then hold a few tokens
+    more than kvgate reserved on such text."""
+    kinds = set(kinds)
+    return bool(kinds) and all(k is EngineKind.LLAMA_CPP for k in kinds)
 
 
 def requested_output(kinds: Iterable[EngineKind], *, max_tokens: int | None,

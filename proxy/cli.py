@@ -157,14 +157,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def check_config_report(path: str) -> dict[str, object]:
     """Validate a config fully (tokenizers included) and derive per-backend capacities."""
-    from policies.engines import counts_normalized, unsafe_for_adaptive
+    from policies.engines import counts_as_llama_cpp, unsafe_for_adaptive
     from proxy.config import load_config
     from proxy.tokenize import load_counter
 
     config = load_config(path)
     models: list[dict[str, object]] = []
     for m in config.models:
-        counter = load_counter(m.path, name=m.name, unicode_normalizer=counts_normalized(
+        counter = load_counter(m.path, name=m.name, unicode_normalizer=not counts_as_llama_cpp(
             b.kind for b in m.backends))
         per_token = m.deployment.kv_bytes_per_token if m.deployment else None
         full_seq = m.deployment.ledger_tokens(m.max_model_len) if m.deployment else None

@@ -134,11 +134,11 @@ class CountWorkers:
     """N worker processes that count for every configured model; see the module doc."""
 
     def __init__(self, models: Mapping[str, str], workers: int, *,
-                 raw_unicode: Collection[str] = ()) -> None:
+                 llama_cpp: Collection[str] = ()) -> None:
         if workers < 1:
             raise ValueError(f"count workers must be >= 1. Given: {workers}")
         self._models = dict(models)
-        self._raw_unicode = sorted(raw_unicode)  # models counted as llama.cpp: no NFC
+        self._llama_cpp = sorted(llama_cpp)  # models counted as llama.cpp counts them
         self._size = workers
         self._workers: list[_Worker] = []
         self._turn = itertools.count()
@@ -160,7 +160,7 @@ class CountWorkers:
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy.count_workers", str(theirs.fileno()),
-                json.dumps(self._models), json.dumps(self._raw_unicode),
+                json.dumps(self._models), json.dumps(self._llama_cpp),
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
             )
         except BaseException:
@@ -329,7 +329,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(chunks)
 
 
-def _answer(counters: Mapping[str, Any], payload: bytes) -> dict[str, Any]:
+def _answer(counters: Mapping[str, Any], payload: bytes,
+            llama_cpp: Collection[str] = ()) -> dict[str, Any]:
     from proxy.validation import Endpoint, validate
 
     endpoint = Endpoint.CHAT if payload[:1] == b"c" else Endpoint.COMPLETIONS
@@ -338,7 +339,8 @@ def _answer(counters: Mapping[str, Any], payload: bytes) -> dict[str, Any]:
         counter = counters[req.model]
         counts: Sequence[int]
         if req.chat is not None:
-            counts = [counter.count_chat(req.chat)]
+            chat = req.chat.as_llama_cpp_reads() if req.model in llama_cpp else req.chat
+            counts = [counter.count_chat(chat)]
         else:
             counts = [counter.count_prompt(p) for p in req.prompts]
     except TemplateError as exc:
@@ -357,13 +359,13 @@ def _answer(counters: Mapping[str, Any], payload: bytes) -> dict[str, Any]:
     return {"ok": list(counts), "model": req.model, "cache": cache}
 
 
-def serve(fd: int, models: Mapping[str, str], raw_unicode: Collection[str] = ()) -> None:
+def serve(fd: int, models: Mapping[str, str], llama_cpp: Collection[str] = ()) -> None:
     """A worker's life: load, say ready, then count until the proxy closes the socket."""
     from proxy.tokenize import load_counter
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the proxy; it closes us
     sock = socket.socket(fileno=fd)
-    counters = {name: load_counter(path, name=name, unicode_normalizer=name not in raw_unicode)
+    counters = {name: load_counter(path, name=name, unicode_normalizer=name not in llama_cpp)
                 for name, path in models.items()}
     gc.freeze()
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the proxy is gone
@@ -376,7 +378,7 @@ def serve(fd: int, models: Mapping[str, str], raw_unicode: Collection[str] = ())
             payload = _recv_exact(sock, length)
             if payload is None:
                 return
-            answer = json.dumps(_answer(counters, payload)).encode()
+            answer = json.dumps(_answer(counters, payload, llama_cpp)).encode()
             sock.sendall(_HEADER.pack(len(answer), rid) + answer)
 
 

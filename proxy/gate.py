@@ -22,8 +22,9 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
-from policies.engines import default_output_tokens, requested_output
+from policies.engines import counts_as_llama_cpp, default_output_tokens, requested_output
 from policies.output import decide_output
 from policies.reservation import AdmissionTarget, ReservationMode
 from proxy.admission import AdmissionController, Backend, Demand, Lease, controller_for
@@ -81,6 +82,7 @@ class Gate:
         self.metrics = metrics
         self.admit_on_bound = admit_on_bound and counter is not None
         self._kinds = tuple(b.kind for b in config.backends)
+        self._as_llama_cpp = counts_as_llama_cpp(self._kinds)
         self.count_workers: CountWorkers | None = None  # set by the runtime once started
         self._on_lease = on_lease
         # Per layer kind, per request, and again on every resize: memoised, since a
@@ -154,6 +156,11 @@ class Gate:
         after the exact count (queueing if needed), or a rejection."""
         req = ask.request
         t0 = time.perf_counter()
+        if self._as_llama_cpp and req.chat is not None:
+            chat = req.chat.as_llama_cpp_reads()  # the chat as the engine will render it
+            if chat is not req.chat:
+                req = replace(req, chat=chat)
+                ask = replace(ask, request=req)
         if ask.prompt_tokens is None:
             self._refuse_what_never_fits(req)
         rendered = self._render(ask)

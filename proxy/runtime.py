@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-from policies.engines import counts_normalized
+from policies.engines import counts_as_llama_cpp
 from proxy.admission import Backend
 from proxy.config import KvgateConfig
 from proxy.count_workers import CountWorkers
@@ -51,8 +51,8 @@ class Runtime:
         self.gates: dict[str, Gate] = {}
         for mc in config.models:
             gate = Gate(mc, queue=config.queue, ledger=self.ledger, metrics=self.metrics,
-                        counter=load_counter(mc.path, name=mc.name, unicode_normalizer=(
-                            counts_normalized(b.kind for b in mc.backends))),
+                        counter=load_counter(mc.path, name=mc.name, unicode_normalizer=not (
+                            counts_as_llama_cpp(b.kind for b in mc.backends))),
                         admit_on_bound=config.server.admit_on_bound)
             self.gates[mc.name] = gate
             self.metrics.watch_count_cache(mc.name, functools.partial(self._cache_stats, gate))
@@ -79,8 +79,8 @@ class Runtime:
         if n > 0:
             workers = CountWorkers(
                 {m.name: str(m.path) for m in self.config.models}, n,
-                raw_unicode=[m.name for m in self.config.models
-                             if not counts_normalized(b.kind for b in m.backends)])
+                llama_cpp=[m.name for m in self.config.models
+                           if counts_as_llama_cpp(b.kind for b in m.backends)])
             await workers.start()
             self.count_workers = workers
             for gate in self.gates.values():

@@ -147,12 +147,19 @@ def _chat(body: Mapping[str, Any]) -> ChatRequest:
     add_gen = body.get("add_generation_prompt", True)
     if not isinstance(add_gen, bool):
         raise _fail("`add_generation_prompt` must be a boolean", "add_generation_prompt")
+    cont = body.get("continue_final_message", False)
+    if not isinstance(cont, bool):
+        raise _fail("`continue_final_message` must be a boolean", "continue_final_message")
+    if cont and add_gen:  # vLLM's own rule
+        raise _fail("Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                    "True.", "continue_final_message")
     return ChatRequest(
         messages=_messages(body.get("messages")),
         tools=_optional_list_of_objects(body, "tools"),
         documents=_optional_list_of_objects(body, "documents"),
         add_generation_prompt=add_gen,
         template_kwargs=kwargs,
+        continue_final_message=cont,
     )
 
 

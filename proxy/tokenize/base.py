@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -59,6 +59,17 @@ class ChatRequest:
     documents: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     template_kwargs: Mapping[str, Any] | None = None
+    # The final (assistant) message is continued, not closed: rendered without the end
+    # of its turn and without a generation prompt (transformers' and vLLM's option).
+    continue_final_message: bool = False
+
+    def as_llama_cpp_reads(self) -> ChatRequest:
+        """llama.cpp continues a final assistant message (its `prefill_assistant`, on by
+        default), whatever the request's own options say."""
+        if self.messages and self.messages[-1].get("role") == "assistant" \
+                and not self.continue_final_message:
+            return replace(self, continue_final_message=True, add_generation_prompt=False)
+        return self
 
 
 class PromptCounter(Protocol):

@@ -185,6 +185,8 @@ class TokenCounter(_OffLoop):
                 "documents": chat.documents,
                 "add_generation_prompt": chat.add_generation_prompt,
             })
+            if chat.continue_final_message:
+                rendered = _continued(rendered, chat.messages[-1])
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"chat template rejected the request: {exc}") from exc
         except (TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
@@ -393,3 +395,21 @@ def count_executor() -> ThreadPoolExecutor:
             )
         return _executor
 
+
+def _continued(rendered: str, final: Mapping[str, Any]) -> str:
+    """The rendered chat cut right after the final message's text, as transformers'
+    `continue_final_message` cuts it (the end of its turn goes, so the model goes on)."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = next((part["text"] for part in reversed(content)
+                        if isinstance(part, Mapping) and isinstance(part.get("text"), str)),
+                       None)
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a final message with text")
+    at = rendered.rfind(content.strip())
+    if at < 0:
+        raise ValueError("the final message does not appear in the rendered chat")
+    kept = len(content.lstrip())
+    if rendered[at:at + kept] != content.lstrip():
+        kept = len(content.strip())  # the template does not keep its trailing spacing
+    return rendered[:at + kept]
