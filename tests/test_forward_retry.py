@@ -188,7 +188,8 @@ def test_streams_queued_behind_a_backend_that_closes_after_each_answer_all_succe
             elapsed = time.perf_counter() - started
         statuses = [status for status, _ in results]
         assert statuses.count(502) == 0, (statuses.count(502), elapsed)
-        assert completed(results)
+        assert completed(results), [body[-300:] for status, body in results
+                                    if not completed([(status, body)])]
         # a dead connection's request was never read: the backend saw each once
         assert backend.counts.answered == backend.counts.chats == 200
         assert backend.counts.connections <= 200 + 2  # one per answer, the probe's
