@@ -3,13 +3,14 @@
 Per backend, three keys share the hash tag `{backend}` (so the scripts run on one
 Redis Cluster slot); `key_prefix` keeps deployments apart on one server:
 
-    <prefix>:{<backend>}:resident   integer, tokens reserved now
-    <prefix>:{<backend>}:leases     hash lease_id -> tokens
+    <prefix>:{<backend>}:resident   integer, tokens reserved now: the sum of the leases
+    <prefix>:{<backend>}:leases     hash lease_id -> tokens, plus the epoch fields
+                                    `=epoch` (a random id) and `=until` (Redis ms)
     <prefix>:{<backend>}:expiry     zset lease_id -> expiry (Redis server ms)
 
 Each operation is one Lua script, one round trip, atomic. Expiry uses the Redis
 server's clock (TIME), never a replica's, so clock skew between replicas cannot
-reclaim live leases early.
+reclaim live leases early. No key carries a Redis TTL.
 
 Leases carry a TTL; the owning replica renews its live leases every ttl/3. A
 crashed or partitioned replica stops renewing, and every replica's refresh pass
@@ -20,9 +21,45 @@ defaults), plus one round trip.
 A reserve whose reply never came (cancelled, timed out, connection cut) queues its
 own undo: the script may have run, and the release script ignores unknown leases.
 
-Renewal also re-adds a live lease that Redis no longer has (a Redis restart
-without persistence, or an outage longer than the TTL), so resident tokens equal
-the leases really in use once Redis is back: nothing lost, nothing counted twice.
+Losing the data. The lease hash is the truth; the resident counter is a sum cached
+from it and the expiry zset an index over it. Redis may lose keys: a restart without
+persistence (as compose runs it), a FLUSHALL, an eviction (Redis evicts whole keys).
+The epoch fields live in the lease hash itself, so whatever loses the leases loses
+the epoch with them, and every reserve and resize script checks the epoch first:
+
+* no epoch: the data is gone. An empty ledger would read as free capacity while
+  every replica still runs its requests, so the reserve is refused
+  (`LedgerUnavailable`, 503 `ledger_unavailable`) and the replica re-registers its
+  own live leases (it knows each one: id, backend, tokens), atomically, in the
+  renewal script. The first replica to do so writes a new epoch and `=until` = now +
+  `recovery_window_s`.
+* until then, every reserve and every growing resize is refused, on every replica.
+  The window lets the other replicas re-register theirs: each replica's refresh
+  pass sees the epoch change (or vanish) and re-registers its leases at once, and
+  re-registers them on every pass while the window lasts. The default window,
+  max(1 s, 3 refresh passes) but at most lease_ttl_s/3 + refresh_interval_s (every
+  live replica renews, and so re-registers, that often anyway), is 1.5 s with the
+  default settings.
+* a replica whose known epoch is not the current one (it missed the whole window)
+  is refused until it has re-registered its own leases under the new epoch.
+
+After the window, admission works on the rebuilt totals: never on an empty ledger.
+A replica that stays silent through the whole window (stalled or cut off from Redis
+longer than that) re-adds its leases when it next renews, as after any outage.
+
+Drift. A counter or index that disagrees with the leases is repaired in Lua: every
+script recomputes a missing resident counter from the leases before using it (so a
+lost counter never reads as zero), and every refresh pass sets the counter to the
+sum of the live leases and gives a lease that lost its expiry one TTL to be renewed
+(so it is reclaimed if nobody does).
+
+Eviction. `start()` reads `CONFIG GET maxmemory-policy` and refuses (raises
+`UnsafeRedisConfig`) an `allkeys-*` policy with a `maxmemory` set: it may evict the
+ledger's keys, and each eviction of a lease hash costs a rebuild window. `noeviction`
+and `volatile-*` are safe: the ledger's keys carry no TTL, and volatile policies evict
+only keys that do. Where CONFIG is refused (managed Redis, ACLs) it logs a warning
+saying what to set. The policy is read again every lease_ttl_s/3 and an unsafe one is
+logged as an error; the detection above still holds.
 
 `release()` never awaits: it drops the lease locally and queues the script on one
 worker task, which runs releases and renewals in order and retries them until
@@ -39,6 +76,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,108 +85,238 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from proxy.errors import LedgerUnavailable
 
-__all__ = ["RedisLedger"]
+__all__ = ["RedisLedger", "UnsafeRedisConfig"]
 
 log = logging.getLogger("kvgate.ledger")
 
-# Shared prologue: reclaim expired leases of this backend, by Redis server time.
-# KEYS[1] resident, KEYS[2] leases hash, KEYS[3] expiry zset
-_RECLAIM = """
+# Scripts' KEYS: [1] resident counter, [2] leases hash (with the epoch fields), [3] expiry
+# zset. Field names starting with '=' (byte 61) are the epoch's; lease ids never do.
+
+_NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
-for _, id in ipairs(expired) do
-  local tok = redis.call('HGET', KEYS[2], id)
-  if tok then
-    redis.call('DECRBY', KEYS[1], tok)
-    redis.call('HDEL', KEYS[2], id)
+"""
+
+# The truth is the lease hash: the counter is recomputed from it wherever it is missing,
+# so a counter lost on its own (an eviction) never reads as zero.
+_SUM = """
+local function lease_sum()
+  local all = redis.call('HGETALL', KEYS[2])
+  local sum, n = 0, 0
+  for i = 1, #all, 2 do
+    if string.byte(all[i], 1) ~= 61 then
+      sum = sum + tonumber(all[i + 1])
+      n = n + 1
+    end
   end
-  redis.call('ZREM', KEYS[3], id)
+  return sum, n
+end
+local function resident()
+  local r = redis.call('GET', KEYS[1])
+  if r then return tonumber(r) end
+  local sum = lease_sum()
+  redis.call('SET', KEYS[1], string.format('%d', sum))
+  return sum
 end
 """
 
+# Reclaim expired leases of this backend, by Redis server time; -> leases reclaimed.
+_RECLAIM = """
+local function reclaim()
+  resident()
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
+  local n = 0
+  for _, id in ipairs(expired) do
+    local tok = redis.call('HGET', KEYS[2], id)
+    if tok then
+      redis.call('DECRBY', KEYS[1], tok)
+      redis.call('HDEL', KEYS[2], id)
+      n = n + 1
+    end
+    redis.call('ZREM', KEYS[3], id)
+  end
+  return n
+end
+"""
+
+# The counter := the sum of the leases; a lease without an expiry gets one TTL (so it is
+# reclaimed if its owner does not renew it), an expiry without a lease goes.
+# -> (tokens the counter was off by, leases given an expiry)
+_RECONCILE = """
+local function reconcile(ttl)
+  local sum, n = lease_sum()
+  local raw = redis.call('GET', KEYS[1])
+  local drift = 0
+  if not raw or tonumber(raw) ~= sum then
+    drift = sum - tonumber(raw or '0')
+    redis.call('SET', KEYS[1], string.format('%d', sum))
+  end
+  local indexed = 0
+  if redis.call('ZCARD', KEYS[3]) ~= n then
+    for _, id in ipairs(redis.call('HKEYS', KEYS[2])) do
+      if string.byte(id, 1) ~= 61 and not redis.call('ZSCORE', KEYS[3], id) then
+        redis.call('ZADD', KEYS[3], now + ttl, id)
+        indexed = indexed + 1
+      end
+    end
+    for _, id in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+      if redis.call('HEXISTS', KEYS[2], id) == 0 then redis.call('ZREM', KEYS[3], id) end
+    end
+  end
+  return drift, indexed
+end
+"""
+
+
+def _epoch_check(known: int) -> str:
+    """Refuse unless the epoch is there, is the caller's (ARGV[known]) and is not
+    rebuilding: {-2} no epoch (the data is gone), {-3} another epoch (rebuilt since the
+    caller re-registered its leases), {-4, ms left} rebuilding."""
+    return f"""
+local meta = redis.call('HMGET', KEYS[2], '=epoch', '=until')
+if not meta[1] then return {{-2, 0}} end
+if meta[1] ~= ARGV[{known}] then return {{-3, 0}} end
+local left = tonumber(meta[2] or '0') - now
+if left > 0 then return {{-4, left}} end
+"""
+
+
+_LOST, _STALE, _REBUILDING = -2, -3, -4
+
 # ARGV[1] lease id, ARGV[2] tokens, ARGV[3] capacity, ARGV[4] ttl ms,
-# ARGV[5] channel, ARGV[6] backend
+# ARGV[5] channel, ARGV[6] backend, ARGV[7] the epoch this replica registered under
 # returns {1 reserved | 0 no room | -1 lease id already recorded, resident after,
-#          tokens recorded under that lease id (for -1)}
-RESERVE_LUA = _RECLAIM + """
-if #expired > 0 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end
-local resident = tonumber(redis.call('GET', KEYS[1]) or '0')
+#          tokens recorded under that lease id (for -1)} or an epoch refusal (-2, -3, -4)
+RESERVE_LUA = _NOW + _SUM + _RECLAIM + _epoch_check(7) + """
+if reclaim() > 0 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end
+local res = tonumber(redis.call('GET', KEYS[1]))
 local recorded = redis.call('HGET', KEYS[2], ARGV[1])
-if recorded then return {-1, resident, tonumber(recorded)} end
+if recorded then return {-1, res, tonumber(recorded)} end
 local tokens = tonumber(ARGV[2])
-if resident + tokens > tonumber(ARGV[3]) then return {0, resident} end
+if res + tokens > tonumber(ARGV[3]) then return {0, res} end
 redis.call('INCRBY', KEYS[1], tokens)
 redis.call('HSET', KEYS[2], ARGV[1], tokens)
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[1])
-return {1, resident + tokens}
+return {1, res + tokens}
 """
 
-# ARGV[1] channel, ARGV[2] backend
-# returns {resident after, leases reclaimed}: the refresh pass, so expired leases go on
-# the refresh schedule even when no replica reserves or renews on this backend.
-RECLAIM_LUA = _RECLAIM + """
-if #expired > 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
-return {tonumber(redis.call('GET', KEYS[1]) or '0'), #expired}
+# ARGV[1] channel, ARGV[2] backend, ARGV[3] ttl ms
+# returns {resident after, leases reclaimed, epoch id (nil: the data is gone), ms until the
+# rebuild ends (<= 0: done), tokens the counter was off by, leases given an expiry}: the
+# refresh pass, so expired leases go on the refresh schedule even when no replica
+# reserves or renews on this backend, and drift is repaired on it.
+RECLAIM_LUA = _NOW + _SUM + _RECLAIM + _RECONCILE + """
+local meta = redis.call('HMGET', KEYS[2], '=epoch', '=until')
+if not meta[1] then
+  return {tonumber(redis.call('GET', KEYS[1]) or '0'), 0, false, 0, 0, 0}
+end
+local reclaimed = reclaim()
+local drift, indexed = reconcile(tonumber(ARGV[3]))
+if reclaimed > 0 or drift < 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
+return {tonumber(redis.call('GET', KEYS[1])), reclaimed, meta[1],
+        tonumber(meta[2] or '0') - now, drift, indexed}
 """
 
 # ARGV[1] lease id, ARGV[2] channel, ARGV[3] backend
 # returns {1 released | 0 unknown (already released or reclaimed), resident after}
-RELEASE_LUA = """
+RELEASE_LUA = _SUM + """
 local tok = redis.call('HGET', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 if not tok then
   return {0, tonumber(redis.call('GET', KEYS[1]) or '0')}
 end
+resident()
 redis.call('HDEL', KEYS[2], ARGV[1])
-local resident = redis.call('DECRBY', KEYS[1], tok)
+local res = redis.call('DECRBY', KEYS[1], tok)
 redis.call('PUBLISH', ARGV[2], ARGV[3])
-return {1, resident}
+return {1, res}
 """
 
-# ARGV[1] lease id, ARGV[2] wanted tokens, ARGV[3] capacity, ARGV[4] channel, ARGV[5] backend
-# returns {tokens the lease holds now (-1: unknown lease), resident after}
-# Shrinking always succeeds (and wakes waiters); growing takes only free room.
-RESIZE_LUA = """
-local resident = tonumber(redis.call('GET', KEYS[1]) or '0')
+# ARGV[1] lease id, ARGV[2] wanted tokens, ARGV[3] capacity, ARGV[4] channel, ARGV[5] backend,
+# ARGV[6] the epoch this replica registered under
+# returns {tokens the lease holds now (-1: unknown lease), resident after} or an epoch
+# refusal (-2, -3, -4: nothing changed). Shrinking always succeeds (and wakes waiters);
+# growing takes only free room.
+RESIZE_LUA = _NOW + _SUM + _epoch_check(6) + """
+local res = resident()
 local held = redis.call('HGET', KEYS[2], ARGV[1])
-if not held then return {-1, resident} end
+if not held then return {-1, res} end
 held = tonumber(held)
 local wanted = tonumber(ARGV[2])
 local granted = wanted
 if wanted > held then
-  granted = math.min(wanted, held + math.max(0, tonumber(ARGV[3]) - resident))
+  granted = math.min(wanted, held + math.max(0, tonumber(ARGV[3]) - res))
 end
 if granted ~= held then
-  resident = redis.call('INCRBY', KEYS[1], granted - held)
+  res = redis.call('INCRBY', KEYS[1], granted - held)
   redis.call('HSET', KEYS[2], ARGV[1], granted)
   if granted < held then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
 end
-return {granted, resident}
+return {granted, res}
 """
 
-# ARGV[1] ttl ms, ARGV[2] channel, ARGV[3] backend, then pairs: lease id, tokens
-# returns {resident after, leases reclaimed, live leases re-added}
-RENEW_LUA = _RECLAIM + """
-if #expired > 0 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
+# Renewal, which is also how a replica re-registers its leases after a loss.
+# ARGV[1] ttl ms, ARGV[2] channel, ARGV[3] backend, ARGV[4] an epoch id to start with
+# and ARGV[5] the rebuild window in ms (both used only if there is no epoch), then
+# pairs: lease id, tokens
+# returns {resident after, leases reclaimed, live leases re-added, epoch id, ms until
+#          the rebuild ends (<= 0: done), 1 if this call started the epoch, tokens the
+#          counter was off by, leases given an expiry}
+RENEW_LUA = _NOW + _SUM + _RECLAIM + _RECONCILE + """
+local meta = redis.call('HMGET', KEYS[2], '=epoch', '=until')
+local created = 0
+if not meta[1] then
+  meta = {ARGV[4], string.format('%d', now + tonumber(ARGV[5]))}
+  redis.call('HSET', KEYS[2], '=epoch', meta[1], '=until', meta[2])
+  created = 1
+end
+local reclaimed = reclaim()
+local ttl = tonumber(ARGV[1])
 local readded = 0
-for i = 4, #ARGV, 2 do
+for i = 6, #ARGV, 2 do
   local id = ARGV[i]
   if redis.call('HEXISTS', KEYS[2], id) == 0 then
     redis.call('HSET', KEYS[2], id, ARGV[i + 1])
     redis.call('INCRBY', KEYS[1], ARGV[i + 1])
     readded = readded + 1
   end
-  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[1]), id)
+  redis.call('ZADD', KEYS[3], now + ttl, id)
 end
-return {tonumber(redis.call('GET', KEYS[1]) or '0'), #expired, readded}
+local drift, indexed = reconcile(ttl)
+if reclaimed > 0 or drift < 0 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
+return {tonumber(redis.call('GET', KEYS[1])), reclaimed, readded, meta[1],
+        tonumber(meta[2] or '0') - now, created, drift, indexed}
 """
 
 _CONNECTION_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+# maxmemory-policy values that may evict keys without a TTL, which all the ledger's are.
+_EVICTING_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+_SAFE_POLICY_ADVICE = (
+    "set `maxmemory-policy noeviction` (a `volatile-*` policy is safe too: the ledger's "
+    "keys carry no TTL, and volatile policies evict only keys that do), e.g. "
+    "`redis-cli CONFIG SET maxmemory-policy noeviction`, or give kvgate a Redis of its own"
+)
+
+
+class UnsafeRedisConfig(ValueError):
+    """Redis may evict the ledger's keys: kvgate does not start on it."""
+
+
+def default_recovery_window_s(lease_ttl_s: float, refresh_interval_s: float) -> float:
+    """How long a rebuilt ledger refuses admission while the other replicas re-register
+    their leases: three refresh passes (each replica re-registers on the first pass
+    that sees the loss), at least 1 s, but no longer than a renewal period plus a pass,
+    by when every live replica has re-registered by renewing anyway."""
+    return min(lease_ttl_s / 3 + refresh_interval_s, max(1.0, 3 * refresh_interval_s))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class RedisLedger:
@@ -162,29 +331,51 @@ class RedisLedger:
         lease_ttl_s: float = 30.0,
         refresh_interval_s: float = 0.5,
         socket_timeout_s: float = 2.0,
+        recovery_window_s: float | None = None,
     ) -> None:
         if lease_ttl_s <= 0:
             raise ValueError(f"`lease_ttl_s` must be > 0. Given: {lease_ttl_s}")
+        if recovery_window_s is None:
+            recovery_window_s = default_recovery_window_s(lease_ttl_s, refresh_interval_s)
+        if recovery_window_s < 0:
+            raise ValueError(f"`recovery_window_s` must be >= 0. Given: {recovery_window_s}")
         self._url = url
         self._backends = list(backends)
         self._prefix = key_prefix
         self._ttl_ms = int(lease_ttl_s * 1000)
         self._refresh_s = refresh_interval_s
         self._socket_timeout_s = socket_timeout_s
+        self._window_s = recovery_window_s
         self._channel = f"{key_prefix}:released"
         self._resident: dict[str, int] = dict.fromkeys(self._backends, 0)
         self._live: dict[str, tuple[str, int]] = {}
         self._ops: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
+        self._renew_pending: set[str] = set()
         self._listeners: list[Callable[[str], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._client: aioredis.Redis | None = None
-        self._available = False
+        self._reachable = False
         self._closing = False
+        # the epoch each backend's leases were last registered under; the backends whose
+        # leases are registered under the current epoch as far as this replica knows (a
+        # backend leaves on a loss and on losing contact with Redis, and comes back with
+        # its next renewal); until when (time.monotonic()) each backend is being rebuilt
+        self._epoch: dict[str, str] = {}
+        self._registered: set[str] = set()
+        self._rebuilding_until: dict[str, float] = {}
+        self._policy_said: str | None = None
+        self._policy_checked_at = 0.0
         self.reclaimed_total = 0
         self.readded_total = 0
+        self.rebuilds_total = 0  # epochs this replica started (a loss, or a first start)
+        self.drift_fixed_total = 0  # tokens the resident counters were off by, repaired
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        """Connect, refuse an evicting Redis (`UnsafeRedisConfig`), register under the
+        current epoch (starting one on an empty ledger) and, where the ledger is being
+        rebuilt, wait out the window: on return the ledger admits, or Redis cannot be
+        reached (then reserves answer `LedgerUnavailable` until it can)."""
         # A blocking pool: a burst of admissions waits for a connection instead of
         # failing, and a bounded pool keeps Redis' connection count predictable.
         #
@@ -211,13 +402,30 @@ class RedisLedger:
         self._reclaim = self._client.register_script(RECLAIM_LUA)
         with contextlib.suppress(*_CONNECTION_ERRORS):
             await self._client.ping()
-            self._available = True
+            self._reachable = True
+        if self._reachable:
+            try:
+                problem = await self.check_eviction_policy()
+                self._policy_checked_at = time.monotonic()
+            except _CONNECTION_ERRORS:
+                problem = None  # read on the first refresh pass that reaches Redis
+            if problem is not None:
+                await self._client.aclose()
+                raise UnsafeRedisConfig(problem)
+            with contextlib.suppress(*_CONNECTION_ERRORS):
+                await self._run_batch([("renew", b, "") for b in self._backends])
+        else:
+            log.warning("shared ledger is UNREACHABLE at start: %s", self._url_for_log())
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._worker()),
             loop.create_task(self._maintain()),
             loop.create_task(self._listen()),
         ]
+        wait_s = self._rebuilding_left_s()
+        if wait_s > 0:
+            log.warning("shared ledger is being rebuilt: admitting in %.1f s", wait_s)
+            await asyncio.sleep(wait_s)
 
     async def drain(self) -> None:
         """Wait until every release and renewal queued so far has reached Redis.
@@ -242,10 +450,60 @@ class RedisLedger:
         if self._client is not None:
             await self._client.aclose()
 
+    async def check_eviction_policy(self) -> str | None:
+        """-> why Redis may evict the ledger's keys (an `allkeys-*` maxmemory-policy with
+        a maxmemory set), or None. Where CONFIG GET is refused, logs a warning instead.
+        Connection errors propagate."""
+        assert self._client is not None
+        try:
+            raw = await self._client.config_get("maxmemory*")
+        except ResponseError as exc:  # CONFIG renamed or denied (managed Redis, ACLs)
+            self._say_policy(
+                "refused", logging.WARNING,
+                "cannot read Redis' maxmemory-policy (CONFIG GET: %s); kvgate cannot "
+                "check that Redis will not evict the ledger's keys: %s", exc,
+                _SAFE_POLICY_ADVICE)
+            return None
+        config = {_text(k): _text(v) for k, v in dict(raw).items()}
+        policy = config.get("maxmemory-policy", "noeviction")
+        maxmemory = int(config.get("maxmemory", "0") or 0)
+        if policy not in _EVICTING_POLICIES:
+            self._say_policy(policy, logging.INFO, "Redis maxmemory-policy %s keeps the "
+                             "ledger's keys (none carries a TTL)", policy)
+            return None
+        if maxmemory == 0:
+            self._say_policy(
+                policy, logging.WARNING,
+                "Redis maxmemory-policy is %s but no maxmemory is set, so nothing is "
+                "evicted yet; a maxmemory would let Redis evict the ledger's keys: %s",
+                policy, _SAFE_POLICY_ADVICE)
+            return None
+        return (f"Redis runs maxmemory-policy {policy} with maxmemory {maxmemory} bytes: it "
+                "may evict the shared ledger's keys (an evicted lease hash costs a rebuild "
+                f"during which nothing is admitted); kvgate does not run on it: "
+                f"{_SAFE_POLICY_ADVICE}")
+
+    def _say_policy(self, state: str, level: int, message: str, *args: Any) -> None:
+        if state != self._policy_said:
+            self._policy_said = state
+            log.log(level, message, *args)
+
+    def _url_for_log(self) -> str:
+        # no password in logs: redis://user:secret@host -> redis://host
+        scheme, sep, rest = self._url.partition("://")
+        return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else self._url
+
     # ------------------------------------------------------------------ protocol
     @property
     def available(self) -> bool:
-        return self._available
+        """False while Redis cannot be reached, until this replica has registered its
+        leases again after losing contact or data, and while the ledger is being rebuilt."""
+        return (self._reachable and len(self._registered) == len(self._backends)
+                and self._rebuilding_left_s() <= 0)
+
+    @property
+    def recovery_window_s(self) -> float:
+        return self._window_s
 
     def add_listener(self, callback: Callable[[str], None]) -> None:
         """Called with a backend name whenever capacity there may have come back."""
@@ -256,10 +514,13 @@ class RedisLedger:
         return [f"{tag}:resident", f"{tag}:leases", f"{tag}:expiry"]
 
     async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int) -> bool:
+        if lease_id.startswith("="):
+            raise ValueError(f"lease ids may not start with '=' (the epoch's): {lease_id!r}")
         try:
             result = await self._reserve(
                 keys=self.keys(backend),
-                args=[lease_id, tokens, capacity, self._ttl_ms, self._channel, backend],
+                args=[lease_id, tokens, capacity, self._ttl_ms, self._channel, backend,
+                      self._epoch.get(backend, "")],
             )
         except asyncio.CancelledError:
             # The script may have run: undo it (the release script ignores unknown leases).
@@ -270,14 +531,17 @@ class RedisLedger:
             # connection cut after the retry): undo it like a cancelled reserve, or
             # the capacity would be held by nobody until the TTL.
             self._ops.put_nowait(("release", backend, lease_id))
-            self._set_available(False, exc)
+            self._set_reachable(False, exc)
             raise LedgerUnavailable(
                 f"the shared ledger cannot be reached ({type(exc).__name__}); "
                 "kvgate does not admit without it",
                 retry_after_s=self._refresh_s * 4,
             ) from exc
-        self._set_available(True)
-        status, resident = int(result[0]), int(result[1])
+        self._set_reachable(True)
+        status = int(result[0])
+        if status <= _LOST:
+            raise self._refusal(backend, status, int(result[1]))
+        resident = int(result[1])
         self._resident[backend] = resident
         if status == -1:
             # Lease ids are never reused (a random per-process prefix and a counter),
@@ -299,23 +563,28 @@ class RedisLedger:
         if entry is None:
             return 0
         backend, size = entry
-        if not self._available:
-            # Redis is known to be down: the lease keeps its size at once, rather than
-            # each resize (the tick, dispatch) waiting out a socket timeout in turn.
-            # Reserves and the refresh pass find out when it is back.
+        if not self.available:
+            # Redis is known to be down or rebuilding: the lease keeps its size at once,
+            # rather than each resize (the tick, dispatch) waiting out a socket timeout in
+            # turn. Reserves and the refresh pass find out when it is back.
             return size
         try:
             result = await self._resize(
                 keys=self.keys(backend),
-                args=[lease_id, tokens, capacity, self._channel, backend],
+                args=[lease_id, tokens, capacity, self._channel, backend,
+                      self._epoch.get(backend, "")],
             )
         except _CONNECTION_ERRORS as exc:
             # The lease keeps its recorded size; the request itself goes on.
-            self._set_available(False, exc)
+            self._set_reachable(False, exc)
             return self._live.get(lease_id, entry)[1]
-        self._set_available(True)
-        granted, resident = int(result[0]), int(result[1])
-        self._resident[backend] = resident
+        self._set_reachable(True)
+        granted = int(result[0])
+        if granted <= _LOST:
+            # Rebuilding: nothing changed; the lease keeps the size it is registered with.
+            self._refusal(backend, granted, int(result[1]))
+            return self._live.get(lease_id, (backend, 0))[1]
+        self._resident[backend] = int(result[1])
         if lease_id not in self._live:
             return 0  # released here while the script ran; the release script follows
         if granted < 0:
@@ -345,12 +614,62 @@ class RedisLedger:
         value = await self._client.get(self.keys(backend)[0])
         return int(value or 0)
 
+    # ------------------------------------------------------------------ loss and rebuild
+    def _rebuilding_left_s(self) -> float:
+        if not self._rebuilding_until:
+            return 0.0
+        return max(self._rebuilding_until.values()) - time.monotonic()
+
+    def _refusal(self, backend: str, status: int, left_ms: int) -> LedgerUnavailable:
+        """An epoch refusal from a script: note it, and -> the 503 to answer with."""
+        if status == _REBUILDING:
+            left_s = left_ms / 1000
+            self._rebuilding_until[backend] = time.monotonic() + left_s
+            return LedgerUnavailable(
+                f"the shared ledger of {backend!r} is being rebuilt after Redis lost its "
+                f"data; kvgate admits again in {left_s:.1f} s, once every replica has "
+                "re-registered its live leases",
+                retry_after_s=left_s,
+            )
+        self._lost(backend, gone=status == _LOST)
+        return LedgerUnavailable(
+            f"the shared ledger of {backend!r} lost its data in Redis (a restart without "
+            "persistence, an eviction, a flush); kvgate re-registers the live leases and "
+            f"admits again in about {self._window_s:.1f} s",
+            retry_after_s=max(self._window_s, self._refresh_s),
+        )
+
+    def _lost(self, backend: str, *, gone: bool) -> None:
+        """The epoch is gone (`gone`) or not the one this replica registered under:
+        not available until this replica's leases are registered again (the renewal's
+        answer then says how long the rebuild still runs)."""
+        if backend in self._registered:
+            if gone:
+                log.warning("shared ledger of %s LOST its data in Redis (a restart without "
+                            "persistence, an eviction, a flush): re-registering this "
+                            "replica's %d live leases; no admission until the rebuild is "
+                            "done", backend, self.lease_count(backend))
+            else:
+                log.warning("shared ledger of %s was rebuilt by another replica: "
+                            "re-registering this replica's %d live leases",
+                            backend, self.lease_count(backend))
+        self._registered.discard(backend)
+        self._queue_renewal(backend)
+
+    def _queue_renewal(self, backend: str) -> None:
+        if backend not in self._renew_pending:
+            self._renew_pending.add(backend)
+            self._ops.put_nowait(("renew", backend, ""))
+
     # ------------------------------------------------------------------ background
-    def _set_available(self, available: bool, error: BaseException | None = None) -> None:
-        if available == self._available:
+    def _set_reachable(self, reachable: bool, error: BaseException | None = None) -> None:
+        if reachable == self._reachable:
             return
-        self._available = available
-        if not available:
+        self._reachable = reachable
+        if not reachable:
+            # Redis may lose its data while out of reach: this replica is not ready again
+            # before its renewal has re-registered its leases (and learnt the epoch).
+            self._registered.clear()
             log.warning("shared ledger is UNREACHABLE: %s: %s", type(error).__name__, error)
             return
         log.warning("shared ledger is reachable")
@@ -365,8 +684,11 @@ class RedisLedger:
         """Releases and renewals, in order, pipelined in batches, retried until Redis answers.
 
         One pipeline per batch keeps releases from falling behind a busy replica:
-        a burst of N releases costs one round trip, not N.
+        a burst of N releases costs one round trip, not N. The retry delay stays within
+        one refresh interval, so a replica re-registers its leases promptly once Redis
+        is back.
         """
+        max_delay = min(1.0, max(0.05, self._refresh_s))
         while True:
             batch = [await self._ops.get()]
             while len(batch) < 512 and not self._ops.empty():
@@ -376,12 +698,12 @@ class RedisLedger:
                 while True:
                     try:
                         await self._run_batch(batch)
-                        self._set_available(True)
+                        self._set_reachable(True)
                         break
                     except _CONNECTION_ERRORS as exc:
-                        self._set_available(False, exc)
+                        self._set_reachable(False, exc)
                         await asyncio.sleep(delay)
-                        delay = min(1.0, delay * 2)
+                        delay = min(max_delay, delay * 2)
             finally:
                 for _ in batch:
                     self._ops.task_done()
@@ -401,48 +723,98 @@ class RedisLedger:
             if kind == "release":
                 self._resident[backend] = int(result[1])
                 continue
-            self._resident[backend] = int(result[0])
-            self.reclaimed_total += int(result[1])
-            self.readded_total += int(result[2])
-            if int(result[2]):
-                log.warning("re-added %d live leases on %s after Redis lost them",
-                            int(result[2]), backend)
+            self._renew_pending.discard(backend)
+            self._renewed(backend, result)
+
+    def _renewed(self, backend: str, result: list[Any]) -> None:
+        resident, reclaimed, readded = int(result[0]), int(result[1]), int(result[2])
+        epoch, left_ms, created = _text(result[3]), int(result[4]), int(result[5])
+        drift, indexed = int(result[6]), int(result[7])
+        self._resident[backend] = resident
+        self.reclaimed_total += reclaimed
+        self.readded_total += readded
+        self._epoch[backend] = epoch
+        self._registered.add(backend)
+        self._rebuilding_until[backend] = time.monotonic() + max(0, left_ms) / 1000
+        if created:
+            self.rebuilds_total += 1
+            log.warning("shared ledger of %s had no epoch in Redis (its first start, or "
+                        "Redis lost its data): started epoch %s from this replica's %d live "
+                        "leases (%d tokens); no admission for %.1f s while the other "
+                        "replicas re-register theirs", backend, epoch, readded, resident,
+                        left_ms / 1000)
+        elif readded:
+            log.warning("re-added %d live leases on %s after Redis lost them", readded, backend)
+        self._drifted(backend, 0 if created else drift, indexed)
+
+    def _drifted(self, backend: str, drift: int, indexed: int) -> None:
+        if drift:
+            self.drift_fixed_total += abs(drift)
+            log.warning("resident counter of %s was %+d tokens off the sum of its leases: "
+                        "repaired", backend, -drift)
+        if indexed:
+            log.warning("%d leases on %s had lost their expiry: given one lease TTL",
+                        indexed, backend)
 
     def _renew_args(self, backend: str) -> list[Any]:
-        args: list[Any] = [self._ttl_ms, self._channel, backend]
+        args: list[Any] = [self._ttl_ms, self._channel, backend, secrets.token_hex(8),
+                           int(self._window_s * 1000)]
         for lease_id, (b, tokens) in list(self._live.items()):
             if b == backend:
                 args += [lease_id, tokens]
         return args
 
     async def _maintain(self) -> None:
-        """Renew leases every ttl/3, reclaim expired ones, refresh the resident view."""
+        """Renew leases every ttl/3 (every pass while unreachable or rebuilding), else
+        reclaim expired ones, check the epoch and repair drift; refresh the resident view."""
         renew_every_s = self._ttl_ms / 3000
         since_renew = renew_every_s
+        was_available = self.available
         while True:
-            if since_renew >= renew_every_s or not self._available:
+            if since_renew >= renew_every_s or not self.available:
                 for backend in self._backends:
-                    self._ops.put_nowait(("renew", backend, ""))
+                    self._queue_renewal(backend)
                 since_renew = 0.0
             else:
-                with contextlib.suppress(*_CONNECTION_ERRORS):
+                try:
                     await self._reclaim_expired()
+                except _CONNECTION_ERRORS as exc:
+                    self._set_reachable(False, exc)
+            if self._reachable and (not self._policy_checked_at or time.monotonic()
+                                    - self._policy_checked_at >= renew_every_s):
+                with contextlib.suppress(*_CONNECTION_ERRORS):
+                    problem = await self.check_eviction_policy()
+                    self._policy_checked_at = time.monotonic()
+                    if problem is not None:
+                        # Too late to refuse to start: say it loudly; a lost lease hash
+                        # is still caught by the epoch and rebuilt.
+                        self._say_policy("unsafe", logging.ERROR, "%s", problem)
+            available = self.available
+            if available and not was_available and self._reachable:
+                log.warning("shared ledger admits again")
+            was_available = available
             # Waiters re-check after each pass: this covers a lost pub/sub message.
             self._notify_all()
             await asyncio.sleep(self._refresh_s)
             since_renew += self._refresh_s
 
     async def _reclaim_expired(self) -> None:
-        """One pipelined pass: reclaim expired leases, refresh the resident view."""
+        """One pipelined pass: reclaim expired leases, check each backend's epoch, repair
+        drift, refresh the resident view."""
         assert self._client is not None
         pipe = self._client.pipeline(transaction=False)
         for backend in self._backends:
-            await self._reclaim(keys=self.keys(backend), args=[self._channel, backend],
-                                client=pipe)
+            await self._reclaim(keys=self.keys(backend),
+                                args=[self._channel, backend, self._ttl_ms], client=pipe)
         results = await pipe.execute()
         for backend, result in zip(self._backends, results, strict=True):
             self._resident[backend] = int(result[0])
             self.reclaimed_total += int(result[1])
+            if result[2] is None or _text(result[2]) != self._epoch.get(backend):
+                self._lost(backend, gone=result[2] is None)
+                continue
+            self._rebuilding_until[backend] = time.monotonic() + max(0, int(result[3])) / 1000
+            self._drifted(backend, int(result[4]), int(result[5]))
 
     async def _listen(self) -> None:
         while not self._closing:
