@@ -198,6 +198,9 @@ def test_redis_restart_gives_503_then_exact_accounting(
                     while sum(int(v or 0) for v in
                               r.mget([resident_key(b) for b in BACKENDS])) != reserved:
                         await asyncio.sleep(0.05)
+                # rebuilt from the live leases: no admission (503 ledger_unavailable, not
+                # ready) until every replica has had the rebuild window to re-register
+                await wait_status(s, f"{proxies[1].url}/readyz", 200, timeout_s=5)
                 async with s.post(f"{proxies[1].url}/v1/chat/completions",
                                   json=body(3, 10)) as resp:
                     assert resp.status == 200, await resp.text()
