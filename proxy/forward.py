@@ -183,6 +183,8 @@ class _EventFraming:
 
     def complete(self, chunk: bytes) -> bytes:
         """The whole events `chunk` completes; keeps the rest pending."""
+        if not self.pending and chunk.endswith(b"\n\n"):
+            return chunk  # the usual case: events arrive whole
         data = self.pending + chunk if self.pending else chunk
         lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
         end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
