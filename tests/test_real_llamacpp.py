@@ -265,10 +265,10 @@ def test_prompt_counts_equal_llama_cpp_usage_on_the_corpus(
     """x-kvgate-prompt-tokens == llama-server's usage.prompt_tokens for every chat of
     tests/support/corpus.py (tools included), as the corpus stands.
 
-    Fails today for the two causes that the next tests isolate: 22 chats hold decomposed
-    accents ("e\u0301"), which kvgate counts after Qwen's NFC normalizer and llama.cpp
-    tokenizes as given; the chat that ends on an assistant message is counted with its
-    closing <|im_end|>\\n, which llama.cpp leaves off to continue the message."""
+    Two causes used to break it, which the next tests isolate: 22 chats hold decomposed
+    accents ("e\u0301"), which llama.cpp tokenizes as given (no NFC); the chat that ends
+    on an assistant message, which llama.cpp continues without its closing
+    <|im_end|>\\n. kvgate counts a llama.cpp-only model as llama.cpp does."""
     mismatches = asyncio.run(count_mismatches(llama_long, model_dir, corpus_bodies()))
     assert mismatches == [], "\n".join(mismatches)
 
@@ -289,11 +289,10 @@ def test_prompt_counts_equal_llama_cpp_usage_on_the_corpus_in_nfc(
 def test_prompt_counts_llama_cpp_decomposed_accents_are_not_nfc_normalized(
     llama_long: EngineProcess, model_dir: Path,
 ) -> None:
-    """KVGATE BUG (fails today): llama.cpp applies no Unicode normalizer, Qwen3's
-    tokenizer.json has NFC. kvgate counts the NFC text, so for decomposed accents it
-    counts fewer tokens than llama.cpp will hold: "e\u0301a\u0308o\u0302 combining
-    marks" is 13 tokens to kvgate and 18 to llama.cpp, the corpus's 10k-token chat 366
-    fewer. Under `strict` that reservation is below what the engine uses."""
+    """llama.cpp applies no Unicode normalizer, Qwen3's tokenizer.json has NFC. Counted
+    through NFC, decomposed accents hold fewer tokens than llama.cpp will hold ("e\u0301a
+    \u0308o\u0302 combining marks": 13 against 18, the corpus's 10k-token chat 366 fewer):
+    a `strict` reservation below what the engine uses. kvgate skips NFC for llama.cpp."""
     convs = [(label, conv) for label, conv in corpus_bodies() if decomposed(conv)]
     assert len(convs) >= 20
     mismatches = asyncio.run(count_mismatches(llama_long, model_dir, convs))
@@ -303,10 +302,10 @@ def test_prompt_counts_llama_cpp_decomposed_accents_are_not_nfc_normalized(
 def test_prompt_counts_llama_cpp_continues_a_final_assistant_message(
     llama_long: EngineProcess, model_dir: Path,
 ) -> None:
-    """KVGATE BUG (fails today): a chat that ends on an assistant message is continued by
-    llama-server (assistant prefill: the template's closing <|im_end|>\\n is cut off, with
-    or without add_generation_prompt false), so llama.cpp holds 2 tokens fewer than
-    kvgate counts (16 vs 18 here)."""
+    """A chat that ends on an assistant message is continued by llama-server (assistant
+    prefill: the template's closing <|im_end|>\\n is cut off, with or without
+    add_generation_prompt false), so it holds 2 tokens fewer than vLLM does (16 vs 18
+    here); kvgate counts it as llama.cpp does for a llama.cpp-only model."""
     convs = [(label, conv) for label, conv in corpus_bodies() if ends_with_assistant(conv)]
     assert len(convs) == 1
     mismatches = asyncio.run(count_mismatches(llama_long, model_dir, convs))
@@ -349,7 +348,7 @@ def test_completion_prompt_counts_equal_llama_cpp_usage_in_nfc(
 def test_completion_prompt_counts_llama_cpp_decomposed_accents_are_not_nfc_normalized(
     llama_long: EngineProcess, model_dir: Path,
 ) -> None:
-    """KVGATE BUG (fails today): as for chats, on /v1/completions."""
+    """As for chats, on /v1/completions."""
     prompts = [p for p in completion_prompts() if nfc(p) != p]
     assert len(prompts) >= 5
     mismatches = asyncio.run(completion_mismatches(llama_long, model_dir, prompts))

@@ -220,7 +220,7 @@ def test_metrics_export_what_kvgate_reads(vllm: EngineProcess) -> None:
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
                  "vllm:cache_config_info"):
         assert name in names, f"{name} missing from vLLM's /metrics"
-    assert kv_capacity_tokens(text) == BLOCKS * BLOCK
+    assert kv_capacity_tokens(text) == USABLE  # less the null block
     load = engine_load(text)
     assert load.usage_ratio is not None and 0.0 <= load.usage_ratio <= 1.0
     assert load.preemptions_total == 0
@@ -246,15 +246,15 @@ def test_capacity_from_backend_is_read_and_admits(
     vllm: EngineProcess, model_dir: Path,
 ) -> None:
     capacity = asyncio.run(capacity_read_by_kvgate(vllm, model_dir))
-    assert capacity in (USABLE, BLOCKS * BLOCK)
+    assert capacity == USABLE
 
 
 def test_capacity_from_backend_leaves_out_vllms_null_block(
     vllm: EngineProcess, model_dir: Path,
 ) -> None:
-    """KVGATE BUG (fails today): vLLM's block pool keeps one block as its null block, so
-    of num_gpu_blocks=513 only 512 hold tokens (16,384, not 16,416: with 1,024 blocks of
-    16 vLLM refuses --max-model-len 16384, "the estimated maximum model length is
-    16368"). kvgate takes num_gpu_blocks x block_size and so admits one block more than
-    the engine can hold."""
+    """vLLM's block pool keeps one block as its null block, so of num_gpu_blocks=513
+    only 512 hold tokens (16,384, not 16,416: with 1,024 blocks of 16 vLLM refuses
+    --max-model-len 16384, "the estimated maximum model length is 16368"). kvgate took
+    num_gpu_blocks x block_size, one block more than the engine can hold; it leaves the
+    null block out now."""
     assert asyncio.run(capacity_read_by_kvgate(vllm, model_dir)) == USABLE
