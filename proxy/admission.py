@@ -185,9 +185,9 @@ class AdmissionController:
     def _predicted(self, order: list[_Waiter], now: float,
                    extra: tuple[Demand, float] | None = None) -> list[tuple[float, bool]] | None:
         """`predict_waits` over the waiters in `order` (and `extra`, a newcomer behind
-        those the ordering puts ahead of it); None while no release has been seen."""
-        rate = self.release_rate.tokens_per_s()
-        if rate <= 0:
+        those the ordering puts ahead of it); None while the queue's drain rate is unknown."""
+        rate = self.release_rate.busy_tokens_per_s()
+        if rate is None or rate <= 0:
             return None
         queue = [(w.demand.tokens, w.deadline) for w in order]
         if extra is not None:
@@ -252,7 +252,7 @@ class AdmissionController:
             tenant=demand.tenant,
         )
         waiter = _Waiter(view, demand, loop.create_future(), deadline)
-        self._waiters.append(waiter)
+        self._enqueue(waiter)
         self.kick()
         handed_over = False
         try:
@@ -269,7 +269,7 @@ class AdmissionController:
             ) from None
         finally:
             if waiter in self._waiters:
-                self._waiters.remove(waiter)
+                self._dequeue(waiter)
                 self.kick()  # a blocking head may have left
             fut = waiter.fut
             if (
@@ -279,6 +279,17 @@ class AdmissionController:
                 and fut.exception() is None
             ):
                 fut.result().release()  # a grant raced the cancel or the deadline
+
+    def _enqueue(self, waiter: _Waiter) -> None:
+        self._waiters.append(waiter)
+        self.release_rate.set_busy(True)
+
+    def _dequeue(self, waiter: _Waiter) -> None:
+        """Every waiter leaves through here, so the release rate knows when the queue
+        was empty: releases then measure traffic, not the pool."""
+        self._waiters.remove(waiter)
+        if not self._waiters:
+            self.release_rate.set_busy(False)
 
     def _waiting_in(self, priority: str) -> int:
         return sum(1 for w in self._waiters if w.demand.priority == priority)
@@ -292,7 +303,7 @@ class AdmissionController:
         if not lower:
             return False
         victim = max(lower, key=lambda w: (class_rank(w.demand.priority), w.view.seq))
-        self._waiters.remove(victim)
+        self._dequeue(victim)
         victim.fut.set_exception(QueueFull(
             f"queue for model {self.model!r} is full: a request of a higher class took "
             f"this one's place ({self._max_depth} waiting)",
@@ -431,7 +442,7 @@ class AdmissionController:
             waiter.fut.set_result(lease)
             self._ordering.on_admit(waiter.view, now)
             if waiter in self._waiters:
-                self._waiters.remove(waiter)
+                self._dequeue(waiter)
         self._refuse_the_late(order, now)
 
     def _refuse_the_late(self, order: list[_Waiter], now: float) -> None:
@@ -441,7 +452,7 @@ class AdmissionController:
         for w, (wait_s, in_time) in zip(waiting, self._predicted(waiting, now) or [],
                                         strict=False):
             if not in_time:
-                self._waiters.remove(w)
+                self._dequeue(w)
                 w.fut.set_exception(self._predicted_late(w.demand, wait_s, w.deadline - now))
 
     def _predicted_late(self, demand: Demand, wait_s: float, left_s: float) -> QueueTimeout:
@@ -466,7 +477,7 @@ class AdmissionController:
                 waiter.fut.set_exception(
                     LedgerUnavailable(exc.message, retry_after_s=exc.retry_after_s)
                 )
-            self._waiters.remove(waiter)
+            self._dequeue(waiter)
 
     async def drain(self) -> None:
         """Wait for scheduled dispatches (used on shutdown and in tests)."""

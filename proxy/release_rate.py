@@ -1,4 +1,5 @@
-"""The recent release rate of a model's backends: what `Retry-After` is computed from."""
+"""The recent release rate of a model's backends: what deadline predictions and
+`Retry-After` are computed from."""
 
 from __future__ import annotations
 
@@ -19,27 +20,93 @@ def _loop_time() -> float:
 
 
 class ReleaseRate:
-    """Tokens released per second over a sliding window: the basis of Retry-After."""
+    """Tokens released per second over a sliding window.
 
-    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] | None = None):
+    Two rates. `busy_tokens_per_s` counts only releases made while requests were
+    waiting, over only the time they were waiting: then every release is bounded by the
+    pool, not by how much traffic came, so it is the rate a queue drains at. It is what
+    admission by deadline refuses on, and it stays unknown until `min_busy_releases`
+    releases have been seen, because a rate read from one or two releases is mostly
+    noise. Dividing by the whole window instead (or by a floor of one second, as an
+    earlier version did) under-reads the rate at the start of a burst: 200 streams
+    queued behind four slots that each free 930 tokens every few milliseconds read as
+    930 tokens/s after the first release, and every waiter was refused as late while
+    the whole queue drained in under a second.
+
+    `tokens_per_s` is the busy rate when known and else the rate over the window; it
+    only sizes `Retry-After`, where a cautious guess costs a client one retry.
+    """
+
+    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] | None = None,
+                 *, min_busy_releases: int = 4) -> None:
         self._window_s = window_s
         self._clock = clock or _loop_time
-        self._events: deque[tuple[float, int]] = deque()
+        self._min_busy = min_busy_releases
+        self._events: deque[tuple[float, int, bool]] = deque()  # (when, tokens, busy)
         self._sum = 0
+        self._busy_sum = 0
+        self._busy_count = 0
+        self._busy_since: float | None = None
+        self._spans: deque[tuple[float, float]] = deque()  # closed busy spans
+        self._spans_s = 0.0
+
+    def set_busy(self, busy: bool) -> None:
+        """Whether requests are waiting now; call on every change."""
+        now = self._clock()
+        if busy and self._busy_since is None:
+            self._busy_since = now
+        elif not busy and self._busy_since is not None:
+            self._spans.append((self._busy_since, now))
+            self._spans_s += now - self._busy_since
+            self._busy_since = None
+        self._trim(now)
 
     def record(self, tokens: int) -> None:
         now = self._clock()
-        self._events.append((now, tokens))
+        busy = self._busy_since is not None
+        self._events.append((now, tokens, busy))
         self._sum += tokens
+        if busy:
+            self._busy_sum += tokens
+            self._busy_count += 1
         self._trim(now)
 
     def _trim(self, now: float) -> None:
-        while self._events and self._events[0][0] < now - self._window_s:
-            self._sum -= self._events.popleft()[1]
+        start = now - self._window_s
+        while self._events and self._events[0][0] < start:
+            _, tokens, busy = self._events.popleft()
+            self._sum -= tokens
+            if busy:
+                self._busy_sum -= tokens
+                self._busy_count -= 1
+        while self._spans and self._spans[0][1] < start:
+            begin, end = self._spans.popleft()
+            self._spans_s -= end - begin
 
-    def tokens_per_s(self) -> float:
+    def _busy_s(self, now: float) -> float:
+        """Seconds within the window during which requests were waiting."""
+        start = now - self._window_s
+        total = self._spans_s
+        if self._spans and self._spans[0][0] < start:  # only the oldest can straddle it
+            total -= start - self._spans[0][0]
+        if self._busy_since is not None:
+            total += now - max(start, self._busy_since)
+        return max(0.0, total)
+
+    def busy_tokens_per_s(self) -> float | None:
+        """The rate a queue drains at, or None while too few releases back it."""
         now = self._clock()
         self._trim(now)
+        busy_s = self._busy_s(now)
+        if self._busy_count < self._min_busy or busy_s <= 0:
+            return None
+        return self._busy_sum / busy_s
+
+    def tokens_per_s(self) -> float:
+        busy = self.busy_tokens_per_s()
+        if busy is not None:
+            return busy
+        now = self._clock()
         if not self._events:
             return 0.0
         span = max(1.0, now - self._events[0][0])

@@ -374,6 +374,34 @@ def test_release_rate_drives_retry_after() -> None:
     assert rate.wait_s(10**9) == 60.0
 
 
+def test_the_drain_rate_counts_only_releases_made_while_requests_wait() -> None:
+    """Idle releases measure traffic, not the pool; the rate is unknown below four
+    busy releases; and it divides by the time spent waiting, not by the window."""
+    now = [0.0]
+    rate = ReleaseRate(window_s=30, clock=lambda: now[0])
+    for t in range(5):  # a quiet second: 5 releases, nobody waiting
+        now[0] = t * 0.2
+        rate.record(50)
+    assert rate.busy_tokens_per_s() is None
+    now[0] = 10.0
+    rate.set_busy(True)  # a burst queues at 10 s
+    for i in range(1, 4):
+        now[0] = 10.0 + i * 0.01
+        rate.record(900)
+    assert rate.busy_tokens_per_s() is None  # three releases: not yet evidence
+    now[0] = 10.04
+    rate.record(900)
+    # 3,600 tokens in 40 ms of waiting: 90,000 tokens/s, not 3,600/1 s nor /30 s
+    assert rate.busy_tokens_per_s() == pytest.approx(90_000)
+    now[0] = 10.05
+    rate.set_busy(False)
+    now[0] = 20.0  # ten idle seconds do not dilute it
+    rate.record(10)
+    assert rate.busy_tokens_per_s() == pytest.approx(3_600 / 0.05)
+    now[0] = 40.5  # the burst has left the window
+    assert rate.busy_tokens_per_s() is None
+
+
 # ------------------------------------------------------------------ contract
 
 
@@ -498,9 +526,10 @@ def test_a_request_that_cannot_start_in_time_is_refused_at_once() -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         clock = [t0]
-        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0])
+        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0], min_busy_releases=1)
+        c.release_rate.set_busy(True)
         c.release_rate.record(100)
-        clock[0] = t0 + 1.0  # 100 tokens in the last second
+        clock[0] = t0 + 1.0  # 100 tokens in the last second, with requests waiting
         hog = await c.acquire(demand(100), soon())
         ahead = [asyncio.ensure_future(c.acquire(demand(75), loop.time() + 10))
                  for _ in range(2)]
@@ -532,7 +561,8 @@ def test_a_waiter_that_can_no_longer_start_in_time_is_refused_before_its_deadlin
         await asyncio.sleep(0.01)
         assert not waiter.done()  # no release seen yet: nothing to predict from
         clock = [loop.time()]
-        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0])
+        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0], min_busy_releases=1)
+        c.release_rate.set_busy(True)
         c.release_rate.record(10)
         clock[0] += 1.0  # 10 tokens/s: 60 tokens take 6 s, past its deadline
         c.kick()
