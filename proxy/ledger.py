@@ -2,11 +2,32 @@
 
 `reserve` may await (the Redis ledger makes one round trip); `release` never does,
 so capacity comes back even when the releasing task is being cancelled.
+
+Shared prefix blocks. An engine with prefix caching (vLLM v1, SGLang) holds a full
+KV block once however many running requests use it: a reference count per block,
+keyed by its token ids and those of every block before it. A lease may bring the
+keys of its prompt's full blocks (`blocks`, each `block_tokens` tokens, already
+inside its `tokens`); per backend the ledger reference-counts them the same way, so
+each block held by live leases is charged once:
+
+    resident = sum over leases of (tokens - block_tokens x blocks it references)
+               + block_tokens x distinct blocks referenced by live leases
+
+A block becomes free to share only once it is *ready*: a lease that references it
+has been seen answering (`mark_ready`: its prefill is done, so the engine holds the
+block in its cache). A lease that brings a block another lease registered but that
+is not ready yet pays for it in full and does not reference it: two requests that
+bring the same new prefix at once may both be prefilled before either's blocks are
+registered in the engine (vLLM's chunked prefill computes a long prompt over
+several steps, and a second request that starts meanwhile hits only the chunks
+already allocated), and charging both copies is what keeps that from ever
+overfilling the pool. The cost is conservative: a burst of same-prefix requests at
+cold start is charged as if nothing were shared until the first one answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 __all__ = ["Ledger", "MemoryLedger"]
@@ -26,29 +47,80 @@ class Ledger(Protocol):
         """`callback(backend)` when capacity may have come back through another replica."""
         ...
 
-    async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int) -> bool:
-        """Add `tokens` to `backend` if resident + tokens <= capacity; record the lease."""
+    async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int,
+                      blocks: Sequence[str] = (), block_tokens: int = 0) -> bool:
+        """Add the lease to `backend` if resident + what it adds <= capacity.
+
+        `tokens` is all the lease spans; `blocks` the keys of its shared-prefix blocks
+        (inside `tokens`, `block_tokens` each). What it adds is `tokens` less the
+        blocks other live leases there hold ready (see the module docstring).
+        """
         ...
 
     async def resize(self, lease_id: str, tokens: int, capacity: int) -> int:
-        """Set a live lease to `tokens`, atomically; -> the tokens it holds now.
+        """Set a live lease to span `tokens`, atomically; -> the tokens it spans now.
 
         Shrinking always succeeds. Growing takes only room that is free under
         `capacity`: a lease never takes capacity another lease (of any replica)
         already holds, so it may end up between its old and its wanted size.
-        An unknown lease (released, or reclaimed) answers 0.
+        An unknown lease (released, or reclaimed) answers 0. The shared blocks a
+        lease references do not change.
         """
         ...
 
     def release(self, lease_id: str) -> None:
-        """Remove the lease and subtract its tokens; a second call is a no-op."""
+        """Remove the lease and what it adds; a second call is a no-op."""
+        ...
+
+    def mark_ready(self, lease_id: str) -> None:
+        """The lease's engine has answered: the blocks it references are cached there."""
+        ...
+
+    def shared_tokens(self, lease_id: str) -> int:
+        """Tokens of the lease that ready blocks of other leases covered at reserve."""
+        ...
+
+    def ready_blocks(self, backend: str, blocks: Sequence[str]) -> int:
+        """How many of `blocks`, in order, are held ready on `backend` (as this replica
+        knows it): the prefix a lease placed there would not be charged for."""
         ...
 
     def resident(self, backend: str) -> int:
         """Tokens reserved on `backend` as this replica last knew it."""
         ...
 
+    def shared_resident(self, backend: str) -> int:
+        """Tokens of `backend`'s resident held in shared blocks (each counted once)."""
+        ...
+
     def lease_count(self, backend: str) -> int: ...
+
+
+class _MemoryLease:
+    __slots__ = ("backend", "block_tokens", "refs", "shared", "tokens")
+
+    def __init__(self, backend: str, tokens: int, refs: list[str], block_tokens: int,
+                 shared: int) -> None:
+        self.backend = backend
+        self.tokens = tokens  # all it spans
+        self.refs = refs  # shared blocks it references
+        self.block_tokens = block_tokens
+        self.shared = shared  # tokens ready blocks of others covered at reserve
+
+    @property
+    def own(self) -> int:
+        """What it holds outside the shared blocks."""
+        return max(0, self.tokens - self.block_tokens * len(self.refs))
+
+
+class _Blocks:
+    """One backend's shared blocks: key -> [references, ready]."""
+
+    __slots__ = ("refs", "tokens")
+
+    def __init__(self) -> None:
+        self.refs: dict[str, list[int]] = {}
+        self.tokens = 0  # block_tokens x distinct blocks referenced
 
 
 class MemoryLedger:
@@ -56,7 +128,8 @@ class MemoryLedger:
 
     def __init__(self) -> None:
         self._resident: dict[str, int] = {}
-        self._leases: dict[str, tuple[str, int]] = {}
+        self._leases: dict[str, _MemoryLease] = {}
+        self._blocks: dict[str, _Blocks] = {}
 
     async def start(self) -> None:
         return None
@@ -71,19 +144,42 @@ class MemoryLedger:
     def add_listener(self, callback: Callable[[str], None]) -> None:
         return None  # every release happens in this process and wakes the queue itself
 
-    async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int) -> bool:
-        return self.reserve_now(backend, lease_id, tokens, capacity)
+    async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int,
+                      blocks: Sequence[str] = (), block_tokens: int = 0) -> bool:
+        return self.reserve_now(backend, lease_id, tokens, capacity, blocks, block_tokens)
 
-    def reserve_now(self, backend: str, lease_id: str, tokens: int, capacity: int) -> bool:
+    def reserve_now(self, backend: str, lease_id: str, tokens: int, capacity: int,
+                    blocks: Sequence[str] = (), block_tokens: int = 0) -> bool:
         if tokens < 0:
             raise ValueError(f"`tokens` must be >= 0. Given: {tokens}")
         if lease_id in self._leases:
             raise ValueError(f"lease {lease_id!r} is already recorded")
+        if blocks and block_tokens * len(blocks) > tokens:
+            raise ValueError(f"{len(blocks)} blocks of {block_tokens} tokens exceed the "
+                             f"lease's {tokens} tokens")
+        table = self._blocks.setdefault(backend, _Blocks())
+        refs: list[str] = []
+        joined = new = 0
+        for key in dict.fromkeys(blocks):  # a key twice in one prompt is one block
+            entry = table.refs.get(key)
+            if entry is None:
+                refs.append(key)
+                new += 1
+            elif entry[1]:
+                refs.append(key)
+                joined += 1
+            # registered but not ready: paid for in full, not referenced
+        shared = joined * block_tokens
+        adds = tokens - shared
         resident = self._resident.get(backend, 0)
-        if resident + tokens > capacity:
+        if resident + adds > capacity:
             return False
-        self._resident[backend] = resident + tokens
-        self._leases[lease_id] = (backend, tokens)
+        for key in refs:
+            entry = table.refs.setdefault(key, [0, False])
+            entry[0] += 1
+        table.tokens += new * block_tokens
+        self._resident[backend] = resident + adds
+        self._leases[lease_id] = _MemoryLease(backend, tokens, refs, block_tokens, shared)
         return True
 
     async def resize(self, lease_id: str, tokens: int, capacity: int) -> int:
@@ -92,25 +188,63 @@ class MemoryLedger:
     def resize_now(self, lease_id: str, tokens: int, capacity: int) -> int:
         if tokens < 0:
             raise ValueError(f"`tokens` must be >= 0. Given: {tokens}")
-        entry = self._leases.get(lease_id)
-        if entry is None:
+        lease = self._leases.get(lease_id)
+        if lease is None:
             return 0
-        backend, held = entry
-        resident = self._resident[backend]
+        floor = lease.block_tokens * len(lease.refs)  # the shared blocks stay
+        tokens = max(tokens, floor)
+        held = lease.tokens
+        resident = self._resident[lease.backend]
         granted = tokens if tokens <= held else min(tokens, held + max(0, capacity - resident))
-        self._resident[backend] = resident - held + granted
-        self._leases[lease_id] = (backend, granted)
+        self._resident[lease.backend] = resident - held + granted
+        lease.tokens = granted
         return granted
 
     def release(self, lease_id: str) -> None:
-        entry = self._leases.pop(lease_id, None)
-        if entry is None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
             return
-        backend, tokens = entry
-        self._resident[backend] -= tokens
+        freed = lease.own
+        table = self._blocks[lease.backend]
+        for key in lease.refs:
+            entry = table.refs[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del table.refs[key]
+                freed += lease.block_tokens
+                table.tokens -= lease.block_tokens
+        self._resident[lease.backend] -= freed
+
+    def mark_ready(self, lease_id: str) -> None:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return
+        table = self._blocks[lease.backend]
+        for key in lease.refs:
+            table.refs[key][1] = True
+
+    def shared_tokens(self, lease_id: str) -> int:
+        lease = self._leases.get(lease_id)
+        return 0 if lease is None else lease.shared
+
+    def ready_blocks(self, backend: str, blocks: Sequence[str]) -> int:
+        table = self._blocks.get(backend)
+        if table is None:
+            return 0
+        n = 0
+        for key in blocks:
+            entry = table.refs.get(key)
+            if entry is None or not entry[1]:
+                break
+            n += 1
+        return n
 
     def resident(self, backend: str) -> int:
         return self._resident.get(backend, 0)
 
+    def shared_resident(self, backend: str) -> int:
+        table = self._blocks.get(backend)
+        return 0 if table is None else table.tokens
+
     def lease_count(self, backend: str) -> int:
-        return sum(1 for b, _ in self._leases.values() if b == backend)
+        return sum(1 for lease in self._leases.values() if lease.backend == backend)

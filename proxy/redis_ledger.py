@@ -31,7 +31,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -44,6 +45,7 @@ from proxy.errors import LedgerUnavailable
 from proxy.redis_policy import UnsafeRedisConfig, eviction_risk
 from proxy.redis_scripts import (
     LOST,
+    READY_LUA,
     REBUILDING,
     RECLAIM_LUA,
     RELEASE_LUA,
@@ -57,6 +59,28 @@ __all__ = ["RedisLedger", "UnsafeRedisConfig"]
 log = logging.getLogger("kvgate.ledger")
 
 _CONNECTION_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+_KEY_CHARS = 16  # a block key: 64 bits in hex (`proxy.prefix_blocks`)
+
+
+@dataclass(slots=True)
+class _Live:
+    """A live lease as this replica registered it: enough to re-register it."""
+
+    backend: str
+    tokens: int  # all it spans
+    refs: str = ""  # its `#<lease_id>` field: block size, '|', the keys it references
+    ref_tokens: int = 0  # block size x keys it references
+    block_tokens: int = 0
+    shared: int = 0  # tokens ready blocks of others covered at reserve
+    ready: bool = False
+
+    @property
+    def own(self) -> int:
+        return max(0, self.tokens - self.ref_tokens)
+
+    def ref_keys(self) -> list[str]:
+        keys = self.refs.partition("|")[2]
+        return [keys[i:i + _KEY_CHARS] for i in range(0, len(keys), _KEY_CHARS)]
 
 def default_recovery_window_s(lease_ttl_s: float, refresh_interval_s: float) -> float:
     """How long a rebuilt ledger refuses admission while the other replicas re-register
@@ -99,7 +123,11 @@ class RedisLedger:
         self._window_s = recovery_window_s
         self._channel = f"{key_prefix}:released"
         self._resident: dict[str, int] = dict.fromkeys(self._backends, 0)
-        self._live: dict[str, tuple[str, int]] = {}
+        self._live: dict[str, _Live] = {}
+        # per backend, the blocks this replica's live leases reference: key -> [leases,
+        # ready]; what placement reads (the reserve script decides on Redis' own)
+        self._local_refs: dict[str, dict[str, list[int]]] = {b: {} for b in self._backends}
+        self._block_tokens: dict[str, int] = {}
         self._ops: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
         self._renew_pending: set[str] = set()
         self._listeners: list[Callable[[str], None]] = []
@@ -151,6 +179,7 @@ class RedisLedger:
         self._renew = self._client.register_script(RENEW_LUA)
         self._resize = self._client.register_script(RESIZE_LUA)
         self._reclaim = self._client.register_script(RECLAIM_LUA)
+        self._ready = self._client.register_script(READY_LUA)
         with contextlib.suppress(*_CONNECTION_ERRORS):
             await self._client.ping()
             self._reachable = True
@@ -234,16 +263,24 @@ class RedisLedger:
 
     def keys(self, backend: str) -> list[str]:
         tag = f"{self._prefix}:{{{backend}}}"
-        return [f"{tag}:resident", f"{tag}:leases", f"{tag}:expiry"]
+        return [f"{tag}:resident", f"{tag}:leases", f"{tag}:expiry", f"{tag}:refs",
+                f"{tag}:ready"]
 
-    async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int) -> bool:
-        if lease_id.startswith("="):
-            raise ValueError(f"lease ids may not start with '=' (the epoch's): {lease_id!r}")
+    async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int,
+                      blocks: Sequence[str] = (), block_tokens: int = 0) -> bool:
+        if lease_id[:1] in ("=", "#"):
+            raise ValueError(f"lease ids may not start with '=' or '#': {lease_id!r}")
+        if any(len(key) != _KEY_CHARS for key in blocks):
+            raise ValueError(f"block keys are {_KEY_CHARS} hex digits")
+        if blocks and block_tokens * len(blocks) > tokens:
+            raise ValueError(f"{len(blocks)} blocks of {block_tokens} tokens exceed the "
+                             f"lease's {tokens} tokens")
         try:
             result = await self._reserve(
                 keys=self.keys(backend),
                 args=[lease_id, tokens, capacity, self._ttl_ms, self._channel, backend,
-                      self._epoch.get(backend, "")],
+                      self._epoch.get(backend, ""), block_tokens if blocks else 0,
+                      "".join(blocks)],
             )
         except asyncio.CancelledError:
             # The script may have run: undo it (the release script ignores unknown leases).
@@ -276,60 +313,123 @@ class RedisLedger:
                     f"lease {lease_id!r} is already recorded with {recorded} tokens, "
                     f"not {tokens}"
                 )
-            status = 1
-        if status == 1:
-            self._live[lease_id] = (backend, tokens)
+            status, result = 1, [1, resident, 0, result[3]]  # what it was charged: lost
+        if status == 1 and lease_id not in self._live:
+            self._record(lease_id, backend, tokens, blocks, block_tokens, result)
         return status == 1
 
+    def _record(self, lease_id: str, backend: str, tokens: int, blocks: Sequence[str],
+                block_tokens: int, result: list[Any]) -> None:
+        """What the script registered: the keys it referenced are all those brought,
+        or the list it sent back (a key registered but not ready is paid in full)."""
+        live = _Live(backend, tokens, shared=int(result[2]))
+        if int(result[3]):
+            which = _text(result[4]) if len(result) > 4 else ""
+            refs = ([which[i:i + _KEY_CHARS] for i in range(0, len(which), _KEY_CHARS)]
+                    if which else list(dict.fromkeys(blocks)))
+            table = self._local_refs.setdefault(backend, {})
+            for key in refs:
+                table.setdefault(key, [0, 0])[0] += 1
+            live.refs = f"{block_tokens}|{''.join(refs)}"
+            live.ref_tokens = block_tokens * len(refs)
+            live.block_tokens = block_tokens
+            self._block_tokens[backend] = block_tokens
+        self._live[lease_id] = live
+
     async def resize(self, lease_id: str, tokens: int, capacity: int) -> int:
-        entry = self._live.get(lease_id)
-        if entry is None:
+        live = self._live.get(lease_id)
+        if live is None:
             return 0
-        backend, size = entry
         if not self.available:
             # Redis is known to be down or rebuilding: the lease keeps its size at once,
             # rather than each resize (the tick, dispatch) waiting out a socket timeout in
             # turn. Reserves and the refresh pass find out when it is back.
-            return size
+            return live.tokens
+        tokens = max(tokens, live.ref_tokens)  # the shared blocks stay
+        backend = live.backend
         try:
             result = await self._resize(
                 keys=self.keys(backend),
-                args=[lease_id, tokens, capacity, self._channel, backend,
+                args=[lease_id, tokens - live.ref_tokens, capacity, self._channel, backend,
                       self._epoch.get(backend, "")],
             )
         except _CONNECTION_ERRORS as exc:
             # The lease keeps its recorded size; the request itself goes on.
             self._set_reachable(False, exc)
-            return self._live.get(lease_id, entry)[1]
+            return live.tokens
         self._set_reachable(True)
         granted = int(result[0])
         if granted <= LOST:
             # Rebuilding: nothing changed; the lease keeps the size it is registered with.
             self._refusal(backend, granted, int(result[1]))
-            return self._live.get(lease_id, (backend, 0))[1]
+            return live.tokens if lease_id in self._live else 0
         self._resident[backend] = int(result[1])
         if lease_id not in self._live:
             return 0  # released here while the script ran; the release script follows
         if granted < 0:
             # Redis lost a live lease (restart, outage past the TTL): the next renewal
             # re-adds it at the size recorded here.
-            return self._live[lease_id][1]
-        self._live[lease_id] = (backend, granted)
-        return granted
+            return live.tokens
+        live.tokens = granted + live.ref_tokens
+        return live.tokens
 
     def release(self, lease_id: str) -> None:
-        entry = self._live.pop(lease_id, None)
-        if entry is None:
+        live = self._live.pop(lease_id, None)
+        if live is None:
             return
-        backend, tokens = entry
-        self._resident[backend] = max(0, self._resident.get(backend, 0) - tokens)
+        freed = live.own
+        table = self._local_refs.get(live.backend, {})
+        block = live.block_tokens
+        for key in live.ref_keys():
+            entry = table.get(key)
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    del table[key]
+                    freed += block  # as far as this replica knows; Redis' reply corrects it
+        backend = live.backend
+        self._resident[backend] = max(0, self._resident.get(backend, 0) - freed)
         self._ops.put_nowait(("release", backend, lease_id))
+
+    def mark_ready(self, lease_id: str) -> None:
+        live = self._live.get(lease_id)
+        if live is None or live.ready or not live.refs:
+            return
+        live.ready = True
+        table = self._local_refs.get(live.backend, {})
+        for key in live.ref_keys():
+            entry = table.get(key)
+            if entry is not None:
+                entry[1] = 1
+        self._ops.put_nowait(("ready", live.backend, lease_id))
+
+    def shared_tokens(self, lease_id: str) -> int:
+        live = self._live.get(lease_id)
+        return 0 if live is None else live.shared
+
+    def ready_blocks(self, backend: str, blocks: Sequence[str]) -> int:
+        """From this replica's own live leases: what placement needs is a good guess of
+        where a prefix lives; the reserve script charges from Redis' exact refs."""
+        table = self._local_refs.get(backend)
+        if not table:
+            return 0
+        n = 0
+        for key in blocks:
+            entry = table.get(key)
+            if entry is None or not entry[1]:
+                break
+            n += 1
+        return n
+
+    def shared_resident(self, backend: str) -> int:
+        """This replica's view: blocks its own live leases reference."""
+        return len(self._local_refs.get(backend, ())) * self._block_tokens.get(backend, 0)
 
     def resident(self, backend: str) -> int:
         return self._resident.get(backend, 0)
 
     def lease_count(self, backend: str) -> int:
-        return sum(1 for b, _ in self._live.values() if b == backend)
+        return sum(1 for live in self._live.values() if live.backend == backend)
 
     async def resident_now(self, backend: str) -> int:
         """Read Redis directly (tests, admin)."""
@@ -438,6 +538,8 @@ class RedisLedger:
             if kind == "release":
                 await self._release(keys=self.keys(backend),
                                     args=[lease_id, self._channel, backend], client=pipe)
+            elif kind == "ready":
+                await self._ready(keys=self.keys(backend), args=[lease_id], client=pipe)
             else:
                 await self._renew(keys=self.keys(backend), args=self._renew_args(backend),
                                   client=pipe)
@@ -445,6 +547,8 @@ class RedisLedger:
         for (kind, backend, _), result in zip(batch, results, strict=True):
             if kind == "release":
                 self._resident[backend] = int(result[1])
+                continue
+            if kind == "ready":
                 continue
             self._renew_pending.discard(backend)
             self._renewed(backend, result)
@@ -482,9 +586,9 @@ class RedisLedger:
     def _renew_args(self, backend: str) -> list[Any]:
         args: list[Any] = [self._ttl_ms, self._channel, backend, secrets.token_hex(8),
                            int(self._window_s * 1000)]
-        for lease_id, (b, tokens) in list(self._live.items()):
-            if b == backend:
-                args += [lease_id, tokens]
+        for lease_id, live in list(self._live.items()):
+            if live.backend == backend:
+                args += [lease_id, live.own, live.refs, 1 if live.ready else 0]
         return args
 
     async def _maintain(self) -> None:

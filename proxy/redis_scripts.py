@@ -7,6 +7,16 @@ Redis Cluster slot); `key_prefix` keeps deployments apart on one server:
     <prefix>:{<backend>}:leases     hash lease_id -> tokens, plus the epoch fields
                                     `=epoch` (a random id) and `=until` (Redis ms)
     <prefix>:{<backend>}:expiry     zset lease_id -> expiry (Redis server ms)
+    <prefix>:{<backend>}:refs       hash block key -> live leases referencing it
+    <prefix>:{<backend>}:ready      set of block keys free to share (`proxy.ledger`)
+
+A lease's value in the hash is what it holds outside the shared blocks it references
+(its "own" tokens); the keys it references are the field `#<lease_id>`: the block
+size, '|', then the keys, each 16 hex digits, end to end. The block size is also the
+field `=bt`. So resident = sum of own + `=bt` x HLEN(refs), and a block is charged
+once however many leases reference it. A 100k-token prompt in 16-token blocks is
+6,250 keys: 100 kB in its lease field plus ~6,250 `refs` fields (about 0.6 MB of
+Redis memory while it runs); its reserve script loops over them once (a few ms).
 
 Expiry uses the Redis server's clock (TIME), never a replica's, so clock skew between
 replicas cannot reclaim live leases early. No key carries a Redis TTL.
@@ -54,11 +64,13 @@ logged as an error; the detection above still holds.
 
 from __future__ import annotations
 
-__all__ = ["LOST", "REBUILDING", "RECLAIM_LUA", "RELEASE_LUA", "RENEW_LUA", "RESERVE_LUA",
-           "RESIZE_LUA", "STALE"]
+__all__ = ["LOST", "READY_LUA", "REBUILDING", "RECLAIM_LUA", "RELEASE_LUA", "RENEW_LUA",
+           "RESERVE_LUA", "RESIZE_LUA", "STALE"]
 
 # Scripts' KEYS: [1] resident counter, [2] leases hash (with the epoch fields), [3] expiry
-# zset. Field names starting with '=' (byte 61) are the epoch's; lease ids never do.
+# zset, [4] block refs hash, [5] ready blocks set. Field names starting with '=' (byte 61)
+# are the epoch's (and the block size), with '#' (byte 35) a lease's block keys; lease
+# ids start with neither.
 
 _NOW = """
 local t = redis.call('TIME')
@@ -72,12 +84,14 @@ local function lease_sum()
   local all = redis.call('HGETALL', KEYS[2])
   local sum, n = 0, 0
   for i = 1, #all, 2 do
-    if string.byte(all[i], 1) ~= 61 then
+    local b = string.byte(all[i], 1)
+    if b ~= 61 and b ~= 35 then
       sum = sum + tonumber(all[i + 1])
       n = n + 1
     end
   end
-  return sum, n
+  local bt = tonumber(redis.call('HGET', KEYS[2], '=bt') or '0')
+  return sum + bt * redis.call('HLEN', KEYS[4]), n
 end
 local function resident()
   local r = redis.call('GET', KEYS[1])
@@ -85,6 +99,29 @@ local function resident()
   local sum = lease_sum()
   redis.call('SET', KEYS[1], string.format('%d', sum))
   return sum
+end
+-- drop a lease: its own tokens and the blocks only it referenced; -> tokens freed, or
+-- false for an unknown lease
+local function drop(id)
+  local tok = redis.call('HGET', KEYS[2], id)
+  if not tok then return false end
+  local freed = tonumber(tok)
+  local list = redis.call('HGET', KEYS[2], '#' .. id)
+  if list then
+    local bar = string.find(list, '|', 1, true)
+    local bt = tonumber(string.sub(list, 1, bar - 1))
+    for i = bar + 1, #list, 16 do
+      local k = string.sub(list, i, i + 15)
+      if redis.call('HINCRBY', KEYS[4], k, -1) <= 0 then
+        redis.call('HDEL', KEYS[4], k)
+        redis.call('SREM', KEYS[5], k)
+        freed = freed + bt
+      end
+    end
+    redis.call('HDEL', KEYS[2], '#' .. id)
+  end
+  redis.call('HDEL', KEYS[2], id)
+  return freed
 end
 """
 
@@ -95,10 +132,9 @@ local function reclaim()
   local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
   local n = 0
   for _, id in ipairs(expired) do
-    local tok = redis.call('HGET', KEYS[2], id)
-    if tok then
-      redis.call('DECRBY', KEYS[1], tok)
-      redis.call('HDEL', KEYS[2], id)
+    local freed = drop(id)
+    if freed then
+      redis.call('DECRBY', KEYS[1], freed)
       n = n + 1
     end
     redis.call('ZREM', KEYS[3], id)
@@ -122,7 +158,8 @@ local function reconcile(ttl)
   local indexed = 0
   if redis.call('ZCARD', KEYS[3]) ~= n then
     for _, id in ipairs(redis.call('HKEYS', KEYS[2])) do
-      if string.byte(id, 1) ~= 61 and not redis.call('ZSCORE', KEYS[3], id) then
+      local b = string.byte(id, 1)
+      if b ~= 61 and b ~= 35 and not redis.call('ZSCORE', KEYS[3], id) then
         redis.call('ZADD', KEYS[3], now + ttl, id)
         indexed = indexed + 1
       end
@@ -152,21 +189,56 @@ if left > 0 then return {{-4, left}} end
 # the epoch refusals' status codes, as the scripts return them
 LOST, STALE, REBUILDING = -2, -3, -4
 
-# ARGV[1] lease id, ARGV[2] tokens, ARGV[3] capacity, ARGV[4] ttl ms,
-# ARGV[5] channel, ARGV[6] backend, ARGV[7] the epoch this replica registered under
+# ARGV[1] lease id, ARGV[2] tokens (all it spans), ARGV[3] capacity, ARGV[4] ttl ms,
+# ARGV[5] channel, ARGV[6] backend, ARGV[7] the epoch this replica registered under,
+# ARGV[8] block size, ARGV[9] its shared-prefix block keys, 16 hex digits each
 # returns {1 reserved | 0 no room | -1 lease id already recorded, resident after,
-#          tokens recorded under that lease id (for -1)} or an epoch refusal (-2, -3, -4)
+#          tokens ready blocks of others covered (1) | tokens the recorded lease spans
+#          (-1), blocks it references, those keys where not all it brought} or an
+#          epoch refusal (-2, -3, -4)
 RESERVE_LUA = _NOW + _SUM + _RECLAIM + _epoch_check(7) + """
 if reclaim() > 0 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end
 local res = tonumber(redis.call('GET', KEYS[1]))
 local recorded = redis.call('HGET', KEYS[2], ARGV[1])
-if recorded then return {-1, res, tonumber(recorded)} end
+if recorded then
+  local list = redis.call('HGET', KEYS[2], '#' .. ARGV[1])
+  local span, nrefs = tonumber(recorded), 0
+  if list then
+    local bar = string.find(list, '|', 1, true)
+    nrefs = (#list - bar) / 16
+    span = span + tonumber(string.sub(list, 1, bar - 1)) * nrefs
+  end
+  return {-1, res, span, nrefs}
+end
 local tokens = tonumber(ARGV[2])
-if res + tokens > tonumber(ARGV[3]) then return {0, res} end
-redis.call('INCRBY', KEYS[1], tokens)
-redis.call('HSET', KEYS[2], ARGV[1], tokens)
+local bt, ks = tonumber(ARGV[8]), ARGV[9]
+local refs, seen, joined, distinct = {}, {}, 0, 0
+for i = 1, #ks, 16 do
+  local k = string.sub(ks, i, i + 15)
+  if not seen[k] then
+    seen[k] = true
+    distinct = distinct + 1
+    if not redis.call('HGET', KEYS[4], k) then
+      refs[#refs + 1] = k
+    elseif redis.call('SISMEMBER', KEYS[5], k) == 1 then
+      refs[#refs + 1] = k
+      joined = joined + 1
+    end
+  end
+end
+local adds = tokens - bt * joined
+if res + adds > tonumber(ARGV[3]) then return {0, res, 0, 0} end
+redis.call('INCRBY', KEYS[1], adds)
+redis.call('HSET', KEYS[2], ARGV[1], tokens - bt * #refs)
+if #refs > 0 then
+  redis.call('HSET', KEYS[2], '#' .. ARGV[1], ARGV[8] .. '|' .. table.concat(refs), '=bt', bt)
+  for _, k in ipairs(refs) do redis.call('HINCRBY', KEYS[4], k, 1) end
+end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[1])
-return {1, res + tokens}
+-- the keys it references, where that is not every distinct key it brought
+local which = ''
+if #refs < distinct then which = table.concat(refs) end
+return {1, res + adds, bt * joined, #refs, which}
 """
 
 # ARGV[1] channel, ARGV[2] backend, ARGV[3] ttl ms
@@ -189,23 +261,33 @@ return {tonumber(redis.call('GET', KEYS[1])), reclaimed, meta[1],
 # ARGV[1] lease id, ARGV[2] channel, ARGV[3] backend
 # returns {1 released | 0 unknown (already released or reclaimed), resident after}
 RELEASE_LUA = _SUM + """
-local tok = redis.call('HGET', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-if not tok then
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   return {0, tonumber(redis.call('GET', KEYS[1]) or '0')}
 end
 resident()
-redis.call('HDEL', KEYS[2], ARGV[1])
-local res = redis.call('DECRBY', KEYS[1], tok)
+local res = redis.call('DECRBY', KEYS[1], drop(ARGV[1]))
 redis.call('PUBLISH', ARGV[2], ARGV[3])
 return {1, res}
+"""
+
+# ARGV[1] lease id: the blocks it references become free to share (its engine answered)
+READY_LUA = """
+local list = redis.call('HGET', KEYS[2], '#' .. ARGV[1])
+if not list then return 0 end
+local bar = string.find(list, '|', 1, true)
+local n = 0
+for i = bar + 1, #list, 16 do
+  n = n + redis.call('SADD', KEYS[5], string.sub(list, i, i + 15))
+end
+return n
 """
 
 # ARGV[1] lease id, ARGV[2] wanted tokens, ARGV[3] capacity, ARGV[4] channel, ARGV[5] backend,
 # ARGV[6] the epoch this replica registered under
 # returns {tokens the lease holds now (-1: unknown lease), resident after} or an epoch
 # refusal (-2, -3, -4: nothing changed). Shrinking always succeeds (and wakes waiters);
-# growing takes only free room.
+# growing takes only free room. Tokens here are the lease's own (outside shared blocks).
 RESIZE_LUA = _NOW + _SUM + _epoch_check(6) + """
 local res = resident()
 local held = redis.call('HGET', KEYS[2], ARGV[1])
@@ -227,7 +309,7 @@ return {granted, res}
 # Renewal, which is also how a replica re-registers its leases after a loss.
 # ARGV[1] ttl ms, ARGV[2] channel, ARGV[3] backend, ARGV[4] an epoch id to start with
 # and ARGV[5] the rebuild window in ms (both used only if there is no epoch), then
-# pairs: lease id, tokens
+# fours: lease id, own tokens, its block list field ('' for none), 1 if ready
 # returns {resident after, leases reclaimed, live leases re-added, epoch id, ms until
 #          the rebuild ends (<= 0: done), 1 if this call started the epoch, tokens the
 #          counter was off by, leases given an expiry}
@@ -235,6 +317,8 @@ RENEW_LUA = _NOW + _SUM + _RECLAIM + _RECONCILE + """
 local meta = redis.call('HMGET', KEYS[2], '=epoch', '=until')
 local created = 0
 if not meta[1] then
+  -- whatever lost the leases may have left their block refs: they are rebuilt below
+  redis.call('DEL', KEYS[4], KEYS[5])
   meta = {ARGV[4], string.format('%d', now + tonumber(ARGV[5]))}
   redis.call('HSET', KEYS[2], '=epoch', meta[1], '=until', meta[2])
   created = 1
@@ -242,11 +326,23 @@ end
 local reclaimed = reclaim()
 local ttl = tonumber(ARGV[1])
 local readded = 0
-for i = 6, #ARGV, 2 do
-  local id = ARGV[i]
+for i = 6, #ARGV, 4 do
+  local id, list = ARGV[i], ARGV[i + 2]
   if redis.call('HEXISTS', KEYS[2], id) == 0 then
+    resident()
+    local adds = tonumber(ARGV[i + 1])
     redis.call('HSET', KEYS[2], id, ARGV[i + 1])
-    redis.call('INCRBY', KEYS[1], ARGV[i + 1])
+    if list ~= '' then
+      local bar = string.find(list, '|', 1, true)
+      local bt = tonumber(string.sub(list, 1, bar - 1))
+      redis.call('HSET', KEYS[2], '#' .. id, list, '=bt', bt)
+      for j = bar + 1, #list, 16 do
+        local k = string.sub(list, j, j + 15)
+        if redis.call('HINCRBY', KEYS[4], k, 1) == 1 then adds = adds + bt end
+        if ARGV[i + 3] == '1' then redis.call('SADD', KEYS[5], k) end
+      end
+    end
+    redis.call('INCRBY', KEYS[1], adds)
     readded = readded + 1
   end
   redis.call('ZADD', KEYS[3], now + ttl, id)

@@ -30,7 +30,7 @@ def ledger(server: RedisServer, **kw: float) -> RedisLedger:
 
 async def lease_fields(admin: aioredis.Redis, led: RedisLedger, backend: str) -> list[bytes]:
     """The lease ids Redis holds for `backend` (the hash also holds the epoch fields)."""
-    return [f for f in await admin.hkeys(led.keys(backend)[1]) if not f.startswith(b"=")]
+    return [f for f in await admin.hkeys(led.keys(backend)[1]) if not f.startswith((b"=", b"#"))]
 
 
 @contextlib.asynccontextmanager
@@ -72,7 +72,8 @@ def test_redis_reserve_over_capacity_returns_false_release_twice_is_noop(
 def test_redis_keys_share_a_hash_tag_and_prefix() -> None:
     led = RedisLedger("redis://127.0.0.1:1/0", backends=["gpu-a"], key_prefix="prod")
     keys = led.keys("gpu-a")
-    assert keys == ["prod:{gpu-a}:resident", "prod:{gpu-a}:leases", "prod:{gpu-a}:expiry"]
+    assert keys == ["prod:{gpu-a}:resident", "prod:{gpu-a}:leases", "prod:{gpu-a}:expiry",
+                    "prod:{gpu-a}:refs", "prod:{gpu-a}:ready"]
 
 
 def test_redis_three_replicas_never_exceed_capacity(redis_server: RedisServer) -> None:
@@ -363,8 +364,9 @@ def test_redis_refresh_pass_reclaims_expired_leases_within_ttl_plus_refresh(
             # a replica reserved, then died: its lease is never renewed nor released
             admin = aioredis.Redis.from_url(redis_server.url)
             keys = survivor.keys("gpu-a")
-            await admin.eval(RESERVE_LUA, 3, *keys, lid(), 500, 1000, int(ttl_s * 1000),
-                             "t:released", "gpu-a", survivor._epoch["gpu-a"])  # type: ignore[misc]
+            await admin.eval(RESERVE_LUA, len(keys), *keys, lid(), 500, 1000,  # type: ignore[misc]
+                             int(ttl_s * 1000), "t:released", "gpu-a", survivor._epoch["gpu-a"],
+                             0, "")
             reserved_at = time.monotonic()
             await admin.aclose()
             async with asyncio.timeout(ttl_s + 5):

@@ -57,11 +57,11 @@ async def replicas(url: str, n: int, **kw: float) -> AsyncIterator[list[RedisLed
 
 def held(leds: Iterable[RedisLedger]) -> int:
     """Tokens the replicas' live leases hold: what the backend is really running."""
-    return sum(tokens for led in leds for _, tokens in led._live.values())
+    return sum(live.tokens for led in leds for live in led._live.values())
 
 
 async def lease_ids(admin: aioredis.Redis, led: RedisLedger) -> list[bytes]:
-    return [f for f in await admin.hkeys(led.keys(BACKEND)[1]) if not f.startswith(b"=")]
+    return [f for f in await admin.hkeys(led.keys(BACKEND)[1]) if not f.startswith((b"=", b"#"))]
 
 
 async def assert_all_back_to_zero(admin: aioredis.Redis, leds: list[RedisLedger]) -> None:
