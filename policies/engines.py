@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 __all__ = ["ENGINE_DEFAULTS", "ENGINE_TRAITS", "EngineKind", "EngineTraits", "OutputDefault",
-           "counts_as_llama_cpp", "default_output_tokens", "engine_kind", "requested_output",
-           "unsafe_for_adaptive"]
+           "PrefixSharing", "caches_prefixes", "counts_as_llama_cpp", "default_output_tokens",
+           "engine_kind", "requested_output", "unsafe_for_adaptive"]
 
 
 class EngineKind(StrEnum):
@@ -65,18 +65,36 @@ class EngineTraits:
     to, is unsafe there and only strict leases are.
     `output_fields`: llama.cpp's `n_predict` wins over `max_tokens` (-1: until the
     context ends).
+    `caches_prefixes`: a prefix block is held once for every running request that uses
+    it, by default (vLLM v1's automatic prefix caching, SGLang's radix cache, TGI 3's
+    prefix caching); llama.cpp's slots each keep their own cache. A running engine's
+    own report (`vllm:cache_config_info`) wins over this.
     """
 
     preempts: bool
     output_fields: tuple[str, ...] = ()
+    caches_prefixes: bool = True
 
 
 ENGINE_TRAITS: dict[EngineKind, EngineTraits] = {
     EngineKind.VLLM: EngineTraits(preempts=True),
     EngineKind.SGLANG: EngineTraits(preempts=True),
     EngineKind.TGI: EngineTraits(preempts=True),
-    EngineKind.LLAMA_CPP: EngineTraits(preempts=False, output_fields=("n_predict",)),
+    EngineKind.LLAMA_CPP: EngineTraits(preempts=False, output_fields=("n_predict",),
+                                       caches_prefixes=False),
 }
+
+
+class PrefixSharing(StrEnum):
+    """A model's `prefix_sharing`: `auto` charges a shared prefix block once on each
+    backend whose engine caches prefixes; `off` charges every lease its whole prompt."""
+
+    AUTO = "auto"
+    OFF = "off"
+
+
+def caches_prefixes(kind: EngineKind) -> bool:
+    return ENGINE_TRAITS[kind].caches_prefixes
 
 
 def unsafe_for_adaptive(kinds: Iterable[EngineKind]) -> list[EngineKind]:

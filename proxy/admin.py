@@ -72,6 +72,8 @@ class AdminViews:
             "leases": ledger.lease_count(backend.name),
             "inflight": backend.inflight,
             "slots": backend.slots,
+            "shares_prefixes": backend.shares_prefixes,
+            "shared_prefix_resident_tokens": ledger.shared_resident(backend.name),
         }
         if gate.tracker is not None:
             target = gate.targets[backend.name]
@@ -96,6 +98,7 @@ class AdminViews:
                     b.name, resident=view["resident_tokens"], inflight=b.inflight,
                     target=b.target_tokens, engine_estimate=view.get("engine_estimate_tokens", 0),
                     shortfall=view.get("lease_shortfall_tokens", 0),
+                    shared_resident=view["shared_prefix_resident_tokens"],
                 )
         metrics.ledger_available(runtime.ledger.available)
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})

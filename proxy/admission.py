@@ -141,6 +141,9 @@ class AdmissionController:
         backend._slots = slots
         self.kick()
 
+    def set_shares_prefixes(self, backend: Backend, shares: bool) -> None:
+        backend._shares_prefixes = shares
+
     def set_healthy(self, backend: Backend, healthy: bool) -> None:
         """A backend that becomes healthy may take the queue's head at once."""
         if healthy == backend._healthy:
@@ -177,10 +180,17 @@ class AdmissionController:
                 name=b.name,
                 capacity_tokens=self._admission_room(b, demand),
                 resident_tokens=self._ledger.resident(b.name),
+                shared_tokens=self._shared_on(b, demand),
             )
             for b in self.backends
             if b.healthy
         ]
+
+    def _shared_on(self, backend: Backend, demand: Demand | None) -> int:
+        """Tokens of `demand` that ready blocks already on `backend` would cover."""
+        if demand is None or not demand.blocks or not backend.shares_prefixes:
+            return 0
+        return demand.block_tokens * self._ledger.ready_blocks(backend.name, demand.blocks)
 
     def _predicted(self, order: list[_Waiter], now: float,
                    extra: tuple[Demand, float] | None = None) -> list[tuple[float, bool]] | None:
@@ -333,11 +343,15 @@ class AdmissionController:
             if not backend.slot_free:
                 continue  # the engine would queue it inside, behind its busy slots
             lease_id = f"{_LEASE_PREFIX}{next(_lease_seq):x}"
+            blocks = demand.blocks if backend.shares_prefixes else ()
             if await self._ledger.reserve(name, lease_id, demand.tokens,
-                                          self._admission_room(backend, demand)):
+                                          self._admission_room(backend, demand),
+                                          blocks, demand.block_tokens):
                 lease = Lease(
-                    lease_id=lease_id, backend=backend, demand=demand, on_release=self._released
+                    lease_id=lease_id, backend=backend, demand=demand, on_release=self._released,
+                    on_answer=self._answered if blocks else None,
                 )
+                lease.shared_tokens = self._ledger.shared_tokens(lease_id)
                 backend._inflight += 1
                 self._on_event("admit", lease)
                 return lease
@@ -376,6 +390,12 @@ class AdmissionController:
         if shrunk:
             self.kick()
         return granted
+
+    def _answered(self, lease: Lease) -> None:
+        """Its blocks are in the engine's cache now: free to share, so a waiter that
+        brings the same prefix may cost less."""
+        self._ledger.mark_ready(lease.lease_id)
+        self.kick()
 
     def _released(self, lease: Lease) -> None:
         lease.backend._inflight -= 1

@@ -32,6 +32,7 @@ class Ask:
     priority: str = ""
     tenant: str = ""
     prompt_tokens: tuple[int, ...] | None = None  # counted already (a replay): no counting
+    blocks: tuple[str, ...] = ()  # with prompt_tokens: its shared-prefix block keys
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class Record:
     backend: str = "-"
     prompt_tokens: int | None = None
     reserved_tokens: int | None = None
+    shared_tokens: int | None = None  # of reserved_tokens, covered by shared prefix blocks
     queue_wait_ms: float = 0.0
     output_cap: int | None = None
     outcome: str | None = None
@@ -55,6 +57,8 @@ class Record:
             out["x-kvgate-prompt-tokens"] = str(self.prompt_tokens)
         if self.reserved_tokens is not None:
             out["x-kvgate-reserved-tokens"] = str(self.reserved_tokens)
+        if self.shared_tokens is not None:
+            out["x-kvgate-shared-prefix-tokens"] = str(self.shared_tokens)
         if self.output_cap is not None:
             out["x-kvgate-output-cap"] = str(self.output_cap)
         return out
@@ -102,6 +106,12 @@ class Admitted:
     # Admitted on an upper bound of the prompt: its exact count, running meanwhile.
     late_count: asyncio.Task[tuple[int, float]] | None = None
     settle: Callable[[Admitted], Awaitable[None]] | None = None
+
+    def on_chunk(self, chunk: bytes) -> None:
+        """Each piece of the answer as it passes: the first says the prefill is done."""
+        self.lease.answered()
+        if self.progress is not None:
+            self.progress.feed(chunk)
 
     async def reply_headers(self) -> dict[str, str]:
         """Awaited by the transport just before the reply's headers leave: a request

@@ -14,7 +14,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from policies.engines import EngineKind, engine_kind, unsafe_for_adaptive
+from policies.engines import EngineKind, PrefixSharing, engine_kind, unsafe_for_adaptive
 from policies.ordering import (
     AGING_TOKENS_PER_S,
     FAIR_SHARE_HALF_LIFE_S,
@@ -131,6 +131,7 @@ class ModelConfig:
     capacity_from_backend: bool = False
     reservation: ReservationMode = ReservationMode.ADAPTIVE
     adaptive: AdaptiveConfig = field(default_factory=lambda: AdaptiveConfig())
+    prefix_sharing: PrefixSharing = PrefixSharing.AUTO  # policies.engines, proxy.sharing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -356,7 +357,8 @@ def _choice(data: Mapping[str, Any], key: str, w: str, choices: type[StrEnum]) -
 def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
     w = f"models[{i}]."
     check_keys(data, {"name", "path", "max_model_len", "output_policy", "output_cap_tokens",
-                       "placement", "deployment", "backends", "reservation", "adaptive"}, w)
+                       "placement", "deployment", "backends", "reservation", "adaptive",
+                       "prefix_sharing"}, w)
     name = get_str(data, "name", w)
     path = base / get_str(data, "path", w)
     if not path.is_dir():
@@ -383,6 +385,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
     output = OutputPolicy(name=policy, cap_tokens=cap_tokens)
     placement = PlacementName(_choice(data, "placement", w, PlacementName))
     reservation = ReservationMode(_choice(data, "reservation", w, ReservationMode))
+    sharing = PrefixSharing(_choice(data, "prefix_sharing", w, PrefixSharing))
     adaptive = _adaptive(get_table(data, "adaptive", w), f"{w}adaptive.")
     deployment_table = get_table(data, "deployment", w)
     deployment, block_size, capacity, source, config_len, from_backend = _deployment(
@@ -431,7 +434,7 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
         deployment=deployment, block_size=block_size, capacity_tokens=capacity,
         capacity_source=source, backends=tuple(backends),
         capacity_from_backend=from_backend,
-        reservation=reservation, adaptive=adaptive,
+        reservation=reservation, adaptive=adaptive, prefix_sharing=sharing,
     )
 
 

@@ -24,7 +24,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from policies.engines import counts_as_llama_cpp, default_output_tokens, requested_output
+from policies.engines import (
+    PrefixSharing,
+    caches_prefixes,
+    counts_as_llama_cpp,
+    default_output_tokens,
+    requested_output,
+)
 from policies.output import decide_output
 from policies.reservation import AdmissionTarget, ReservationMode
 from proxy.admission import AdmissionController, Backend, Demand, Lease, controller_for
@@ -49,6 +55,7 @@ from proxy.reservation import (
     apply_engine_report,
     follow_adaptively,
 )
+from proxy.sharing import counted_with_blocks, scope_of
 from proxy.tokenize import CountFailed, PromptCounter, RenderedChat, TemplateError
 from proxy.validation import Endpoint, ValidRequest
 
@@ -96,6 +103,12 @@ class Gate:
             placement=config.placement, on_event=self._lease_event)
         for b in backends:
             metrics.backend_configured(b.name, b.capacity_tokens)
+        # Shared prefixes are charged once where the layout is whole blocks of tokens
+        # (not a hybrid model's token-equivalents) and the engine caches prefixes.
+        dense = self.ledger_tokens(64 * config.block_size) == 64 * config.block_size
+        self.prefix_sharing = config.prefix_sharing is PrefixSharing.AUTO and dense
+        for b, bc in zip(backends, config.backends, strict=True):
+            self.controller.set_shares_prefixes(b, self.prefix_sharing and caches_prefixes(bc.kind))
         self.tracker: ReservationTracker | None = None
         self.targets: dict[str, AdmissionTarget] = {}
         if config.reservation is ReservationMode.ADAPTIVE:
@@ -163,17 +176,25 @@ class Gate:
                 ask = replace(ask, request=req)
         if ask.prompt_tokens is None:
             self._refuse_what_never_fits(req)
-        rendered = self._render(ask)
+        # Block keys come from one encoding of the prompt in the count pool; where count
+        # workers or admission on a bound are set, they count (no keys: charged whole).
+        sharing = (self.count_workers is None and not self.admit_on_bound
+                   and any(b.shares_prefixes for b in self.backends))
+        rendered = None if sharing else self._render(ask)
         if rendered is not None and self._may_admit_on_bound(req, rendered):
             assert rendered.max_tokens is not None
             early = await self._admit_on_bound(ask, record, rendered, rendered.max_tokens)
             if early is not None:
                 return early
+        blocks = ask.blocks
         if ask.prompt_tokens is not None:
             prompts = list(ask.prompt_tokens)
         else:
             try:
-                if rendered is not None:
+                shared = await self._count_shared(req) if sharing else None
+                if shared is not None:
+                    prompts, blocks = [shared[0]], shared[1]
+                elif rendered is not None:
                     prompts = _nonempty([await self._counter.count_rendered_async(rendered)])
                 else:
                     prompts = await self._count(req, ask.raw)
@@ -187,6 +208,8 @@ class Gate:
                                  seconds=time.perf_counter() - t0)
         record.prompt_tokens = sum(prompts)
         demand, output_cap = self.demand(req, prompts, priority=ask.priority, tenant=ask.tenant)
+        if blocks and demand.n == 1 and len(prompts) == 1:
+            demand = replace(demand, blocks=blocks, block_tokens=self.config.block_size)
         record.reserved_tokens = demand.tokens
         loop = asyncio.get_running_loop()
         queued_at = loop.time()
@@ -195,7 +218,11 @@ class Gate:
         finally:
             record.queue_wait_ms = (loop.time() - queued_at) * 1000
             self.metrics.queue_depth(self.name, self.controller.queue_depth)
-        self.metrics.admitted(self.name, reserved_tokens=demand.tokens,
+        if demand.blocks:  # what was charged, and what shared blocks covered
+            record.reserved_tokens = demand.tokens - lease.shared_tokens
+            record.shared_tokens = lease.shared_tokens
+            self.metrics.shared_prefix(lease.backend.name, lease.shared_tokens)
+        self.metrics.admitted(self.name, reserved_tokens=record.reserved_tokens,
                               waited_s=record.queue_wait_ms / 1000)
         return self._admitted(lease, demand, output_cap, ask, record)
 
@@ -328,6 +355,14 @@ class Gate:
             raise InvalidRequest(str(exc), param="messages") from exc
         return _nonempty(counts)
 
+    async def _count_shared(self, req: ValidRequest) -> tuple[int, tuple[str, ...]] | None:
+        """The exact count and block keys from one encoding (`proxy.sharing`)."""
+        try:
+            return await counted_with_blocks(self._counter, req, self.config.block_size,
+                                             scope_of(self.name, req))
+        except TemplateError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+
     def _render(self, ask: Ask) -> RenderedChat | None:
         """The rendered chat, where it is counted in this process from its rendered text:
         a chat with nothing counted yet and no count workers to send it to."""
@@ -444,7 +479,16 @@ class Gate:
             preemptions_total=load.preemptions_total, usage_ratio=load.usage_ratio,
             reserved_tokens=self.ledger.resident(backend.name))
         self.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,
-                                     preemptions=load.preemptions_total)
+                                     preemptions=load.preemptions_total,
+                                     prefix_hit_tokens=load.prefix_hit_tokens_total)
+        if load.prefix_caching is not None and self.prefix_sharing:
+            shares = load.prefix_caching and load.block_size in (None, self.config.block_size)
+            if shares != backend.shares_prefixes:
+                _log.warning("backend %s: engine reports prefix caching %s, block size %s "
+                             "(config: %d): shared prefixes %s", backend.name,
+                             load.prefix_caching, load.block_size, self.config.block_size,
+                             "charged once" if shares else "charged per request")
+                self.controller.set_shares_prefixes(backend, shares)
         if backend.target_factor < before:
             _log.warning(
                 "backend %s: engine pressure (preemptions %s, KV use %s); admission "

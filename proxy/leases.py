@@ -24,6 +24,10 @@ class Demand:
     tenant: str = ""
     min_tokens: int = 0
     follow: bool = False  # an adaptive lease: sized from history, resized as it runs
+    # the keys of its prompt's shareable full blocks (`proxy.prefix_blocks`), inside
+    # `tokens`, `block_tokens` each; charged once per backend that shares prefixes
+    blocks: tuple[str, ...] = ()
+    block_tokens: int = 0
 
 
 class Backend:
@@ -34,8 +38,8 @@ class Backend:
     can open room then wakes the queue in the one place that knows about it.
     """
 
-    __slots__ = ("_capacity_tokens", "_healthy", "_inflight", "_slots", "_target_factor",
-                 "api_key", "name", "url")
+    __slots__ = ("_capacity_tokens", "_healthy", "_inflight", "_shares_prefixes", "_slots",
+                 "_target_factor", "api_key", "name", "url")
 
     def __init__(self, *, name: str, url: str, capacity_tokens: int, api_key: str | None = None,
                  slots: int | None = None):
@@ -49,6 +53,13 @@ class Backend:
         # The share of capacity new admissions may fill (adaptive reservation moves
         # it from the engine's own figures); growth of live leases may use it all.
         self._target_factor = 1.0
+        self._shares_prefixes = False
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether its engine holds a prefix block once for every request that uses it
+        (prefix caching on): only then are a lease's shared blocks charged once."""
+        return self._shares_prefixes
 
     @property
     def capacity_tokens(self) -> int:
@@ -92,14 +103,18 @@ class Lease:
         backend: Backend,
         demand: Demand,
         on_release: Callable[[Lease], None],
+        on_answer: Callable[[Lease], None] | None = None,
     ) -> None:
         self.lease_id = lease_id
         self.backend = backend
         self.demand = demand
         self.tokens = demand.tokens  # what the ledger holds now; adaptive leases resize
         self.wanted_tokens = demand.tokens  # what the lease asked for at its last resize
+        self.shared_tokens = 0  # of `tokens`, covered by other leases' ready blocks at reserve
         self._on_release = on_release
+        self._on_answer = on_answer
         self._released = False
+        self._answered = False
 
     @property
     def shortfall_tokens(self) -> int:
@@ -109,6 +124,14 @@ class Lease:
     @property
     def released(self) -> bool:
         return self._released
+
+    def answered(self) -> None:
+        """The engine has begun to answer (its prefill is done): once, before release."""
+        if self._answered or self._released:
+            return
+        self._answered = True
+        if self._on_answer is not None:
+            self._on_answer(self)
 
     def release(self) -> None:
         if self._released:

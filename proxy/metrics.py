@@ -90,6 +90,16 @@ class Metrics:
         self._shortfall = Gauge("kvgate_lease_shortfall_tokens",
                                 "Tokens live leases wanted to grow by but found no room for",
                                 ["backend"], registry=r)
+        # Shared prefix blocks, per backend: charged once, next to the engine's own hits.
+        self._shared_held = Gauge("kvgate_shared_prefix_resident_tokens",
+                                  "Tokens of resident held in shared prefix blocks (each "
+                                  "block counted once)", ["backend"], registry=r)
+        self._shared_covered = Counter(
+            "kvgate_shared_prefix_tokens", "Tokens of admitted requests that blocks already "
+            "held there covered: kvgate's predicted prefix-cache hits", ["backend"], registry=r)
+        self._engine_hits = Gauge("kvgate_engine_prefix_hit_tokens_reported",
+                                  "Prefix-cache hit tokens the engine reports since it started "
+                                  "(vllm:prefix_cache_hits_total)", ["backend"], registry=r)
         # A labelled child per label values, looked up once: `labels()` takes a lock and
         # validates its arguments on every call, and these run several times a request.
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -129,18 +139,25 @@ class Metrics:
 
     def backend_view(
         self, backend: str, *, resident: int, inflight: int, target: int,
-        engine_estimate: int, shortfall: int,
+        engine_estimate: int, shortfall: int, shared_resident: int = 0,
     ) -> None:
         """Gauges of shared and live state, set from the current view at scrape time."""
         self._child(self._resident, backend).set(resident)
+        self._child(self._shared_held, backend).set(shared_resident)
         self._child(self._inflight, backend).set(inflight)
         self._child(self._target, backend).set(target)
         self._child(self._engine_estimate, backend).set(engine_estimate)
         self._child(self._shortfall, backend).set(shortfall)
 
+    def shared_prefix(self, backend: str, tokens: int) -> None:
+        self._child(self._shared_covered, backend).inc(tokens)
+
     def engine_reported(
-        self, backend: str, *, usage_ratio: float | None, preemptions: int | None
+        self, backend: str, *, usage_ratio: float | None, preemptions: int | None,
+        prefix_hit_tokens: int | None = None,
     ) -> None:
+        if prefix_hit_tokens is not None:
+            self._child(self._engine_hits, backend).set(prefix_hit_tokens)
         if usage_ratio is not None:
             self._child(self._engine_usage, backend).set(usage_ratio)
         if preemptions is not None:

@@ -231,13 +231,12 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
 
 async def _send(request: web.Request, endpoint: Endpoint, admitted: Admitted) -> Forwarded:
     backend = admitted.lease.backend
-    progress = admitted.progress
     return await forward(
         session=request.app[_SESSION_KEY], request=request, backend_name=backend.name,
         url=backend.url + _PATHS[endpoint], api_key=backend.api_key, body=admitted.body,
         forward_authorization=not request.app[RUNTIME_KEY].config.clients.required,
         reply_headers=admitted.reply_headers,
-        on_chunk=None if progress is None else progress.feed,
+        on_chunk=admitted.on_chunk,
     )
 
 

@@ -1,0 +1,49 @@
+"""The keys of a prompt's shared-prefix blocks, as an engine with prefix caching keys them.
+
+vLLM v1 keys a full KV block by its token ids and the key of the block before it (a
+hash chain), so two prompts share exactly their common leading full blocks; SGLang's
+radix cache shares the same prefixes at a finer grain. kvgate keys blocks the same
+way from the exact ids it counted, so a key is equal for two requests if and only if
+the engine would hold that block once for both.
+
+Only the blocks of the prompt less its last token are keyed: vLLM caps a prefix hit so
+that at least the last prompt token is computed, so a prompt that is all full blocks
+recomputes (and holds a fresh copy of) its last one.
+
+The chain starts from a scope: the model name and the request's `cache_salt` (vLLM's
+field that keeps tenants' caches apart), so blocks are never shared across either.
+Keys are 64 bits of BLAKE2b in hex: stable across processes and replicas (Python's
+own `hash` of bytes is salted per process), 16 characters each in the Redis ledger.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+__all__ = ["KEY_CHARS", "block_keys", "shareable_blocks"]
+
+KEY_CHARS = 16
+
+
+def shareable_blocks(prompt_tokens: int, block_tokens: int) -> int:
+    """Full blocks of a prompt that a later request could hit: those before its last token."""
+    if block_tokens < 1:
+        raise ValueError(f"`block_tokens` must be >= 1. Given: {block_tokens}")
+    return max(0, prompt_tokens - 1) // block_tokens
+
+
+def block_keys(token_ids: Sequence[int], block_tokens: int, *, scope: str) -> list[str]:
+    """The chain of keys of the prompt's shareable full blocks (`shareable_blocks`)."""
+    n = shareable_blocks(len(token_ids), block_tokens)
+    if n == 0:
+        return []
+    data = array("I", token_ids[:n * block_tokens]).tobytes()
+    step = block_tokens * 4
+    parent = blake2b(scope.encode(), digest_size=8).digest()
+    keys: list[str] = []
+    for start in range(0, len(data), step):
+        parent = blake2b(parent + data[start:start + step], digest_size=8).digest()
+        keys.append(parent.hex())
+    return keys
