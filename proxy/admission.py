@@ -465,12 +465,14 @@ class AdmissionController:
                 w.fut.set_exception(self._predicted_late(w.demand, wait_s, w.deadline - now))
 
     def _predicted_late(self, demand: Demand, wait_s: float, left_s: float) -> QueueTimeout:
+        """The refusal of a request predicted to wait `wait_s`: Retry-After is that wait
+        (1 to 60 s, as `ReleaseRate.wait_s` bounds it)."""
         wait = "ever" if math.isinf(wait_s) else f"{wait_s * 1000:.0f} ms more"
         return QueueTimeout(
             f"no capacity for model {self.model!r} within the deadline: predicted to wait "
             f"{wait} for {demand.tokens} tokens with "
             f"{max(0.0, left_s) * 1000:.0f} ms left; refused before it",
-            retry_after_s=self.retry_after_s(demand.tokens), predicted=True)
+            retry_after_s=min(60.0, max(1.0, wait_s)), predicted=True)
 
     def _could_ever_fit(self, demand: Demand) -> bool:
         """Whether releases alone could make room for `demand` under today's admission
