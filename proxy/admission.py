@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -26,7 +27,7 @@ from dataclasses import replace
 from policies.ordering import Ordering, WaiterView, class_rank, make_ordering
 from policies.placement import BackendRoom, PlacementName, rank_backends
 from proxy.config import QueueConfig
-from proxy.deadlines import predict_waits
+from proxy.deadlines import passed_wait_s, predict_waits
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
@@ -195,7 +196,9 @@ class AdmissionController:
     def _predicted(self, order: list[_Waiter], now: float,
                    extra: tuple[Demand, float] | None = None) -> list[tuple[float, bool]] | None:
         """`predict_waits` over the waiters in `order` (and `extra`, a newcomer behind
-        those the ordering puts ahead of it); None while the queue's drain rate is unknown."""
+        those the ordering puts ahead of it, whose wait is stretched by the smaller
+        arrivals that will pass it: `passed_wait_s`); None while the queue's drain rate
+        is unknown."""
         rate = self.release_rate.busy_tokens_per_s()
         if rate is None or rate <= 0:
             return None
@@ -204,7 +207,12 @@ class AdmissionController:
             queue.append((extra[0].tokens, extra[1]))
         free = sum(max(0, r.free_tokens)
                    for r in self.rooms(extra[0] if extra is not None else None))
-        return predict_waits(rate, free, queue, now)
+        predicted = predict_waits(rate, free, queue, now)
+        if extra is not None:
+            wait_s = passed_wait_s(predicted[-1][0], rate,
+                                   self.release_rate.passing_tokens_per_s(extra[0].tokens))
+            predicted[-1] = (wait_s, now + wait_s <= extra[1])
+        return predicted
 
     def retry_after_s(self, extra_tokens: int = 0) -> float:
         free = sum(max(0, r.free_tokens) for r in self.rooms())
@@ -254,6 +262,7 @@ class AdmissionController:
         predicted = self._predicted(ahead, arrival, (demand, deadline))
         if predicted is not None and not predicted[-1][1]:
             raise self._predicted_late(demand, predicted[-1][0], deadline - arrival)
+        self.release_rate.queued(demand.tokens)
         view = WaiterView(
             seq=next(self._seq),
             arrival=arrival,
@@ -476,11 +485,14 @@ class AdmissionController:
                 w.fut.set_exception(self._predicted_late(w.demand, wait_s, w.deadline - now))
 
     def _predicted_late(self, demand: Demand, wait_s: float, left_s: float) -> QueueTimeout:
+        """The refusal of a request predicted to wait `wait_s`: Retry-After is that wait
+        (1 to 60 s, as `ReleaseRate.wait_s` bounds it)."""
+        wait = "ever" if math.isinf(wait_s) else f"{wait_s * 1000:.0f} ms more"
         return QueueTimeout(
             f"no capacity for model {self.model!r} within the deadline: predicted to wait "
-            f"{wait_s * 1000:.0f} ms more for {demand.tokens} tokens with "
+            f"{wait} for {demand.tokens} tokens with "
             f"{max(0.0, left_s) * 1000:.0f} ms left; refused before it",
-            retry_after_s=self.retry_after_s(demand.tokens), predicted=True)
+            retry_after_s=min(60.0, max(1.0, wait_s)), predicted=True)
 
     def _could_ever_fit(self, demand: Demand) -> bool:
         """Whether releases alone could make room for `demand` under today's admission

@@ -572,3 +572,35 @@ def test_a_waiter_that_can_no_longer_start_in_time_is_refused_before_its_deadlin
         hog.release()
 
     asyncio.run(scenario())
+
+
+def test_a_newcomer_that_smaller_arrivals_would_pass_is_refused_at_once() -> None:
+    """Releases run at 100 tokens/s into a full pool; 2,250 tokens of 30-token requests
+    joined the queue in the last 30 s (75 tokens/s). A 50-token request needs 0.5 s in
+    queue order, but the smaller arrivals take 75 of every 100 tokens released before
+    it: 2 s, past its 0.8 s. Refused at once, Retry-After that 2 s. A 20-token request,
+    which nothing smaller passes, needs 0.2 s: it waits and gets in."""
+    async def scenario() -> None:
+        c, _ = controller(capacity=100, depth=8)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        clock = [t0]
+        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0], min_busy_releases=1)
+        c.release_rate.set_busy(True)
+        c.release_rate.record(100)
+        for _ in range(75):
+            c.release_rate.queued(30)
+        clock[0] = t0 + 1.0
+        hog = await c.acquire(demand(100), soon())
+        with pytest.raises(QueueTimeout) as late:
+            await c.acquire(demand(50), loop.time() + 0.8)
+        assert late.value.predicted
+        assert "predicted to wait 2000 ms more for 50 tokens" in late.value.message
+        assert late.value.retry_after_s == pytest.approx(2.0)
+        small = asyncio.ensure_future(c.acquire(demand(20), loop.time() + 0.8))
+        await asyncio.sleep(0.01)
+        assert not small.done()
+        hog.release()
+        (await asyncio.wait_for(small, 1)).release()
+
+    asyncio.run(scenario())

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from proxy.deadlines import predict_waits
+import math
+
+from proxy.deadlines import passed_wait_s, predict_waits
+from proxy.release_rate import ReleaseRate
 
 
 def test_waiters_that_time_out_take_no_room() -> None:
@@ -15,3 +18,24 @@ def test_waiters_that_time_out_take_no_room() -> None:
 def test_free_room_starts_a_waiter_at_once() -> None:
     assert predict_waits(10.0, 500, [(200, 0.0), (300, 0.0), (1, 0.0)], now=0.0) == [
         (0.0, True), (0.0, True), (0.1, False)]
+
+
+def test_smaller_arrivals_that_pass_stretch_a_newcomers_wait() -> None:
+    # 1 s ahead in queue order at 5,000 tokens/s, 2,500 tokens/s of smaller arrivals
+    # passing it: what is ahead drains at 2,500 tokens/s, so 2 s.
+    assert passed_wait_s(1.0, 5000.0, 2500.0) == 2.0
+    assert passed_wait_s(1.0, 5000.0, 0.0) == 1.0
+    assert passed_wait_s(0.0, 5000.0, 6000.0) == 0.0  # room now: nothing passes it
+    assert passed_wait_s(0.5, 5000.0, 5000.0) == math.inf  # they take all the room
+
+
+def test_passing_counts_smaller_arrivals_over_the_whole_window() -> None:
+    now = [0.0]
+    rate = ReleaseRate(window_s=30, clock=lambda: now[0])
+    rate.queued(300)
+    rate.queued(900)
+    assert rate.passing_tokens_per_s(500) == 10.0  # 300 tokens / 30 s; 900 is not smaller
+    assert rate.passing_tokens_per_s(1000) == 40.0
+    assert rate.passing_tokens_per_s(300) == 0.0  # an equal does not pass
+    now[0] = 31.0
+    assert rate.passing_tokens_per_s(1000) == 0.0
