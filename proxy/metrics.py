@@ -59,6 +59,16 @@ class Metrics:
             "while nothing waited (exact count after)", ["model"], registry=r)
         self._tokenize = Histogram("kvgate_tokenize_seconds", "Time to count prompt tokens",
                                    buckets=_WAIT_BUCKETS, registry=r)
+        self._count_failures = Counter(
+            "kvgate_count_failures", "Prompts no tokenizer could count exactly (CountFailed): "
+            "refused with 500 when counted first, kept on their bound when admitted on one",
+            ["model"], registry=r)
+        self._worker_exits = Counter("kvgate_count_worker_exits",
+                                     "Count worker processes that died while in use",
+                                     registry=r)
+        self._worker_restarts = Counter("kvgate_count_worker_restarts",
+                                        "Count worker processes started again after one died",
+                                        registry=r)
         self._first_byte = Histogram("kvgate_upstream_first_byte_seconds",
                                      "Upstream time to first byte", ["backend"],
                                      buckets=_WAIT_BUCKETS, registry=r)
@@ -155,6 +165,15 @@ class Metrics:
     def counted(self, model: str, *, prompt_tokens: int, seconds: float) -> None:
         self._child(self._prompt, model).observe(prompt_tokens)
         self._tokenize.observe(seconds)
+
+    def count_failed(self, model: str) -> None:
+        self._child(self._count_failures, model).inc()
+
+    def count_worker_exited(self) -> None:
+        self._worker_exits.inc()
+
+    def count_worker_restarted(self) -> None:
+        self._worker_restarts.inc()
 
     def admitted(self, model: str, *, reserved_tokens: int, waited_s: float) -> None:
         self._child(self._reserved, model).observe(reserved_tokens)

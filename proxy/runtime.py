@@ -80,7 +80,9 @@ class Runtime:
             workers = CountWorkers(
                 {m.name: str(m.path) for m in self.config.models}, n,
                 llama_cpp=[m.name for m in self.config.models
-                           if counts_as_llama_cpp(b.kind for b in m.backends)])
+                           if counts_as_llama_cpp(b.kind for b in m.backends)],
+                on_exit=self.metrics.count_worker_exited,
+                on_restart=self.metrics.count_worker_restarted)
             await workers.start()
             self.count_workers = workers
             for gate in self.gates.values():
