@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
 from proxy.admin import AdminViews, bearer_token
-from proxy.ask import Admitted, Ask, Record
+from proxy.ask import Admitted, Ask, Record, next_request_id
 from proxy.clients import Identity
 from proxy.config import KvgateConfig, ServerConfig
 from proxy.errors import (
@@ -34,6 +32,7 @@ from proxy.errors import (
 from proxy.forward import Forwarded, forward, make_session
 from proxy.ledger import Ledger
 from proxy.metrics import Outcome
+from proxy.protocol import ContractRunner
 from proxy.runtime import Runtime
 from proxy.upstream import EngineReader, health_loop
 from proxy.validation import Endpoint, validate
@@ -49,14 +48,6 @@ _RECORD_KEY = web.RequestKey("record", Record)
 # CPU, which on the loop would stall every other request and /healthz with it.
 _OFF_LOOP_BYTES = 256 * 1024
 _PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETIONS: "/v1/completions"}
-
-_REQUEST_ID_PREFIX = secrets.token_hex(4)  # per process: ids stay unique across replicas
-_request_seq = itertools.count()
-
-
-def _next_request_id() -> str:
-    """16 hex digits: a random per-process prefix and a counter (no syscall per request)."""
-    return f"{_REQUEST_ID_PREFIX}{next(_request_seq) & 0xFFFFFFFF:08x}"
 
 
 def _error_response(exc: KvgateError, record: Record, *, of_request: bool = True
@@ -101,7 +92,7 @@ async def error_middleware(
     routes and methods, and, as the last resort, any exception nothing mapped, which
     becomes `500 internal_error` naming the request id that the log line with its
     traceback carries. A lease is never held here: the gate released it already."""
-    record = Record(request_id=_next_request_id())
+    record = Record(request_id=next_request_id())
     request[_RECORD_KEY] = record
     try:
         return await handler(request)
@@ -301,9 +292,10 @@ async def start_proxy(
     ledger: Ledger | None = None,
 ) -> web.AppRunner:
     """Start the proxy (port 0 picks a free one). handler_cancellation: a client that
-    leaves cancels its handler, so a queued waiter leaves at once and a stream stops."""
-    runner = web.AppRunner(build_app(config, ledger=ledger), handler_cancellation=True,
-                           access_log=None)
+    leaves cancels its handler, so a queued waiter leaves at once and a stream stops;
+    `ContractRunner`: malformed HTTP is answered in the contract too (`proxy.protocol`)."""
+    runner = ContractRunner(build_app(config, ledger=ledger), handler_cancellation=True,
+                            access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host or config.server.host,
                        config.server.port if port is None else port)
