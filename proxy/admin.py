@@ -86,6 +86,14 @@ class AdminViews:
             })
         return view
 
+    def body_budget_view(self) -> dict[str, Any]:
+        """The body budget: its limits, the bytes held now, and the refusals so far."""
+        bodies = self.runtime.bodies
+        return {"budget_bytes": bodies.total_bytes, "per_model_bytes": bodies.per_model_bytes,
+                "held_bytes": bodies.held,
+                "refusals": [{"budget": budget, "model": model, "count": count}
+                             for (budget, model), count in sorted(bodies.refusals.items())]}
+
     async def metrics(self, request: web.Request) -> web.Response:
         runtime = self.runtime
         metrics = runtime.metrics
@@ -115,6 +123,7 @@ class AdminViews:
         now = asyncio.get_running_loop().time()
         out: dict[str, Any] = {"ledger": {"kind": runtime.config.ledger.kind,
                                           "available": runtime.ledger.available}, "models": {}}
+        out["body_budget"] = self.body_budget_view()
         if runtime.count_workers is not None:
             out["count_workers"] = runtime.count_workers.describe()
         for name, g in runtime.gates.items():
@@ -123,6 +132,7 @@ class AdminViews:
                 "queue_depth": c.queue_depth,
                 "oldest_wait_ms": round(c.oldest_wait_s(now) * 1000, 1),
                 "queued_tokens": c.queued_tokens(),
+                "body_bytes_held": runtime.bodies.held_by_model[name],
                 **({"output_history": {
                     "samples": len(g.tracker.history), "ready": g.tracker.history.ready,
                     "p50_tokens": g.tracker.history.quantile_of(0.5),

@@ -6,8 +6,10 @@ Plain data, shared by the HTTP layer, the gate and the replay; no I/O.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,9 +19,17 @@ from proxy.admission import Demand, Lease
 from proxy.reservation import Progress
 from proxy.validation import ValidRequest
 
-__all__ = ["Admitted", "Ask", "Record", "S", "Sent"]
+__all__ = ["Admitted", "Ask", "Record", "S", "Sent", "next_request_id"]
 
 log = logging.getLogger("kvgate.request")
+
+_REQUEST_ID_PREFIX = secrets.token_hex(4)  # per process: ids stay unique across replicas
+_request_seq = itertools.count()
+
+
+def next_request_id() -> str:
+    """16 hex digits: a random per-process prefix and a counter (no syscall per request)."""
+    return f"{_REQUEST_ID_PREFIX}{next(_request_seq) & 0xFFFFFFFF:08x}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

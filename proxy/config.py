@@ -59,6 +59,10 @@ class ServerConfig:
     port: int = 8080
     body_limit_bytes: int = 4 * 2**20
     body_read_timeout_s: float = 30.0
+    # Bytes of request bodies being read, counted or waiting for admission, in all and
+    # per model (None: a model may take the whole budget); past either, 503 memory_budget.
+    body_budget_bytes: int = 256 * 2**20
+    body_budget_per_model_bytes: int | None = None
     admin_token: str | None = None
     health_interval_s: float = 2.0
     upstream_connect_timeout_s: float = 5.0
@@ -152,7 +156,7 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
     check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
                        "upstream_connect_timeout_s", "upstream_read_timeout_s",
                        "count_workers", "admit_on_bound", "clients_file",
-                       "body_read_timeout_s"}, w)
+                       "body_read_timeout_s", "body_budget", "body_budget_per_model"}, w)
     d = ServerConfig()
     listen = get_str(data, "listen", w, f"{d.host}:{d.port}")
     host, sep, port_text = listen.rpartition(":")
@@ -165,12 +169,14 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
             f"`server.admin_token` must be a non-empty string (leave it out for no "
             f"token). Given: {token!r}"
         )
+    body_limit = get_bytes(data, "body_limit", w) if "body_limit" in data else d.body_limit_bytes
+    budget, per_model = _body_budget(data, w, d, body_limit)
     return ServerConfig(
         host=host.strip("[]") or d.host,
         port=int(port_text),
-        body_limit_bytes=(
-            get_bytes(data, "body_limit", w) if "body_limit" in data else d.body_limit_bytes
-        ),
+        body_limit_bytes=body_limit,
+        body_budget_bytes=budget,
+        body_budget_per_model_bytes=per_model,
         admin_token=token,
         **{k: get_num(data, k, w, getattr(d, k), minimum=least) for k, least in (
             ("health_interval_s", 0.05), ("upstream_connect_timeout_s", 0.1),
@@ -178,6 +184,23 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
         count_workers=get_int(data, "count_workers", w, d.count_workers, minimum=0),
         admit_on_bound=get_flag(data, "admit_on_bound", w, d.admit_on_bound),
     )
+
+
+def _body_budget(data: Mapping[str, Any], w: str, d: ServerConfig, body_limit: int
+                 ) -> tuple[int, int | None]:
+    """`body_budget` and `body_budget_per_model`: each must hold one body of the largest
+    size, or that body would be refused for ever with a 503 that says "retry"."""
+    total = get_bytes(data, "body_budget", w) if "body_budget" in data else d.body_budget_bytes
+    per_model = (get_bytes(data, "body_budget_per_model", w) if "body_budget_per_model" in data
+                 else d.body_budget_per_model_bytes)
+    for key, value in (("body_budget", total), ("body_budget_per_model", per_model)):
+        if value is not None and value < body_limit:
+            raise ConfigError(f"`{w}{key}` ({value} bytes) must be at least `{w}body_limit` "
+                              f"({body_limit} bytes): a body of the largest size must fit")
+    if per_model is not None and per_model > total:
+        raise ConfigError(f"`{w}body_budget_per_model` ({per_model} bytes) must not exceed "
+                          f"`{w}body_budget` ({total} bytes)")
+    return total, per_model
 
 
 def _queue(data: Mapping[str, Any]) -> QueueConfig:

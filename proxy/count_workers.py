@@ -39,7 +39,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -134,7 +134,11 @@ class CountWorkers:
     """N worker processes that count for every configured model; see the module doc."""
 
     def __init__(self, models: Mapping[str, str], workers: int, *,
-                 llama_cpp: Collection[str] = ()) -> None:
+                 llama_cpp: Collection[str] = (),
+                 on_exit: Callable[[], None] | None = None,
+                 on_restart: Callable[[], None] | None = None) -> None:
+        """`on_exit` and `on_restart` are told of each worker lost while in use and of
+        each one started in its place (the runtime counts them in its metrics)."""
         if workers < 1:
             raise ValueError(f"count workers must be >= 1. Given: {workers}")
         self._models = dict(models)
@@ -145,6 +149,8 @@ class CountWorkers:
         self._closing = False
         self._restarted_at: collections.deque[float] = collections.deque()
         self._restarting: set[asyncio.Task[None]] = set()
+        self._on_exit = on_exit
+        self._on_restart = on_restart
 
     @property
     def alive(self) -> list[_Worker]:
@@ -194,6 +200,8 @@ class CountWorkers:
         """A worker in use is gone: start another in its slot (not while closing)."""
         if self._closing or self._workers[worker.index] is not worker:
             return
+        if self._on_exit is not None:
+            self._on_exit()
         task = asyncio.get_running_loop().create_task(self._restart(worker))
         self._restarting.add(task)
         task.add_done_callback(self._restarting.discard)
@@ -240,6 +248,8 @@ class CountWorkers:
             worker.on_lost = self._lost
             log.warning("count worker %d restarted (pid %d, restart %d of this slot)",
                         dead.index, worker.proc.pid, worker.restarts)
+            if self._on_restart is not None:
+                self._on_restart()
             return
 
     async def close(self) -> None:

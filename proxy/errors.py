@@ -13,6 +13,7 @@
     ├── QueueTimeout              429 queue_timeout
     ├── NoBackend                 503 no_backend
     ├── LedgerUnavailable         503 ledger_unavailable
+    ├── MemoryBudgetFull          503 memory_budget
     ├── UpstreamError             502 upstream_error
     └── InternalError             500 internal_error
 
@@ -39,6 +40,7 @@ __all__ = [
     "KvgateError",
     "LedgerUnavailable",
     "MaxTokensRequired",
+    "MemoryBudgetFull",
     "MethodNotAllowed",
     "ModelNotFound",
     "NoBackend",
@@ -231,6 +233,17 @@ class LedgerUnavailable(KvgateError):
     retryable = True
 
 
+class MemoryBudgetFull(KvgateError):
+    """The bytes of request bodies waiting for admission, in total or of this model,
+    would pass `server.body_budget` (or `body_budget_per_model`) with this one's: many
+    large bodies must not pin the proxy's memory. Nothing else was held for it."""
+
+    status = 503
+    code = "memory_budget"
+    type = "server_error"
+    retryable = True
+
+
 class UpstreamError(KvgateError):
     """The backend failed before the first byte of its answer."""
 
@@ -274,6 +287,7 @@ ERROR_TABLE: dict[str, type[KvgateError]] = {
         QueueTimeout,
         NoBackend,
         LedgerUnavailable,
+        MemoryBudgetFull,
         UpstreamError,
         InternalError,
     )

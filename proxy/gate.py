@@ -199,6 +199,7 @@ class Gate:
                 else:
                     prompts = await self._count(req, ask.raw)
             except CountFailed as exc:  # what no tokenizer here can count exactly
+                self.metrics.count_failed(self.name)
                 _log.warning("request %s: %s", record.request_id, exc)
                 raise InternalError(
                     f"kvgate could not count this request's prompt exactly (request id "
@@ -421,6 +422,7 @@ class Gate:
         try:
             tokens, seconds = await admitted.late_count
         except CountFailed as exc:  # the bound is a true upper bound: the lease stays on it
+            self.metrics.count_failed(self.name)
             _log.warning("request %s: the exact count failed; it holds its bound of %d "
                          "tokens: %s", admitted.record.request_id, admitted.demand.tokens, exc)
             return

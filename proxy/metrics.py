@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.body_budget import BodyBudget
 from proxy.tokenize.cache import CacheStats
 
 __all__ = ["CONTENT_TYPE", "Metrics", "Outcome"]
@@ -59,6 +60,16 @@ class Metrics:
             "while nothing waited (exact count after)", ["model"], registry=r)
         self._tokenize = Histogram("kvgate_tokenize_seconds", "Time to count prompt tokens",
                                    buckets=_WAIT_BUCKETS, registry=r)
+        self._count_failures = Counter(
+            "kvgate_count_failures", "Prompts no tokenizer could count exactly (CountFailed): "
+            "refused with 500 when counted first, kept on their bound when admitted on one",
+            ["model"], registry=r)
+        self._worker_exits = Counter("kvgate_count_worker_exits",
+                                     "Count worker processes that died while in use",
+                                     registry=r)
+        self._worker_restarts = Counter("kvgate_count_worker_restarts",
+                                        "Count worker processes started again after one died",
+                                        registry=r)
         self._first_byte = Histogram("kvgate_upstream_first_byte_seconds",
                                      "Upstream time to first byte", ["backend"],
                                      buckets=_WAIT_BUCKETS, registry=r)
@@ -106,6 +117,7 @@ class Metrics:
         self._peaks: dict[str, int] = {}
         self._headroom: dict[str, int] = {}
         self._count_cache: _CountCacheCollector | None = None
+        self._body_budget: _BodyBudgetCollector | None = None
 
     def _child(self, metric: _Labelled, *labels: str) -> Any:
         key = (id(metric), labels)
@@ -173,6 +185,15 @@ class Metrics:
         self._child(self._prompt, model).observe(prompt_tokens)
         self._tokenize.observe(seconds)
 
+    def count_failed(self, model: str) -> None:
+        self._child(self._count_failures, model).inc()
+
+    def count_worker_exited(self) -> None:
+        self._worker_exits.inc()
+
+    def count_worker_restarted(self) -> None:
+        self._worker_restarts.inc()
+
     def admitted(self, model: str, *, reserved_tokens: int, waited_s: float) -> None:
         self._child(self._reserved, model).observe(reserved_tokens)
         self._child(self._queue_wait, model).observe(waited_s)
@@ -200,6 +221,16 @@ class Metrics:
             self._count_cache = _CountCacheCollector()
             self.registry.register(self._count_cache)
         self._count_cache.sources[model] = stats
+
+
+    # --- body budget (proxy.body_budget): read at scrape time
+    def watch_body_budget(self, budget: BodyBudget) -> None:
+        """Export `kvgate_body_budget_held_bytes`, `kvgate_body_budget_model_held_bytes`
+        and `kvgate_body_budget_refusals_total` from `budget` (one per registry)."""
+        if self._body_budget is None:
+            self._body_budget = _BodyBudgetCollector(budget)
+            self.registry.register(self._body_budget)
+        self._body_budget.budget = budget
 
 
 class _Labelled(Protocol):
@@ -231,3 +262,29 @@ class _CountCacheCollector(Collector):
             misses.add_metric([model], stats.misses)
             size.add_metric([model], stats.size_bytes)
         yield from (hits, misses, size)
+
+
+class _BodyBudgetCollector(Collector):
+    """The budget counts on the event loop as bodies arrive and leave; its figures are
+    read at scrape time rather than paying a metric update per chunk."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+
+    def collect(self) -> Iterator[Metric]:
+        budget = self.budget
+        held = GaugeMetricFamily("kvgate_body_budget_held_bytes",
+                                 "Bytes of request bodies being read, counted or waiting "
+                                 "for admission", value=budget.held)
+        by_model = GaugeMetricFamily("kvgate_body_budget_model_held_bytes",
+                                     "Bytes of a model's request bodies being counted or "
+                                     "waiting for admission", labels=["model"])
+        for model, held_bytes in budget.held_by_model.items():
+            by_model.add_metric([model], held_bytes)
+        refusals = CounterMetricFamily(
+            "kvgate_body_budget_refusals", "Requests refused with 503 memory_budget, by the "
+            "budget they would have passed (total, or model) and model (\"\" while unknown)",
+            labels=["budget", "model"])
+        for (which, model), count in sorted(budget.refusals.items()):
+            refusals.add_metric([which, model], count)
+        yield from (held, by_model, refusals)

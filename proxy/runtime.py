@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from policies.engines import counts_as_llama_cpp
 from proxy.admission import Backend
+from proxy.body_budget import BodyBudget
 from proxy.config import KvgateConfig
 from proxy.count_workers import CountWorkers
 from proxy.errors import ModelNotFound
@@ -48,6 +49,13 @@ class Runtime:
         self.ledger = ledger or make_ledger(config)
         self.metrics = metrics or Metrics()
         self.count_workers: CountWorkers | None = None
+        server = config.server
+        per_model = server.body_budget_per_model_bytes
+        self.bodies = BodyBudget(
+            server.body_budget_bytes,
+            server.body_budget_bytes if per_model is None else per_model,
+            [m.name for m in config.models])
+        self.metrics.watch_body_budget(self.bodies)
         self.gates: dict[str, Gate] = {}
         for mc in config.models:
             gate = Gate(mc, queue=config.queue, ledger=self.ledger, metrics=self.metrics,
@@ -80,7 +88,9 @@ class Runtime:
             workers = CountWorkers(
                 {m.name: str(m.path) for m in self.config.models}, n,
                 llama_cpp=[m.name for m in self.config.models
-                           if counts_as_llama_cpp(b.kind for b in m.backends)])
+                           if counts_as_llama_cpp(b.kind for b in m.backends)],
+                on_exit=self.metrics.count_worker_exited,
+                on_restart=self.metrics.count_worker_restarted)
             await workers.start()
             self.count_workers = workers
             for gate in self.gates.values():

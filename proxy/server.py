@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
 from proxy.admin import AdminViews, bearer_token
-from proxy.ask import Admitted, Ask, Record
+from proxy.ask import Admitted, Ask, Record, next_request_id
+from proxy.body_budget import BodyHold
 from proxy.clients import Identity
 from proxy.config import KvgateConfig, ServerConfig
 from proxy.errors import (
@@ -34,6 +33,7 @@ from proxy.errors import (
 from proxy.forward import Forwarded, forward, make_session
 from proxy.ledger import Ledger
 from proxy.metrics import Outcome
+from proxy.protocol import ContractRunner
 from proxy.runtime import Runtime
 from proxy.upstream import EngineReader, health_loop
 from proxy.validation import Endpoint, validate
@@ -49,14 +49,6 @@ _RECORD_KEY = web.RequestKey("record", Record)
 # CPU, which on the loop would stall every other request and /healthz with it.
 _OFF_LOOP_BYTES = 256 * 1024
 _PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETIONS: "/v1/completions"}
-
-_REQUEST_ID_PREFIX = secrets.token_hex(4)  # per process: ids stay unique across replicas
-_request_seq = itertools.count()
-
-
-def _next_request_id() -> str:
-    """16 hex digits: a random per-process prefix and a counter (no syscall per request)."""
-    return f"{_REQUEST_ID_PREFIX}{next(_request_seq) & 0xFFFFFFFF:08x}"
 
 
 def _error_response(exc: KvgateError, record: Record, *, of_request: bool = True
@@ -101,7 +93,7 @@ async def error_middleware(
     routes and methods, and, as the last resort, any exception nothing mapped, which
     becomes `500 internal_error` naming the request id that the log line with its
     traceback carries. A lease is never held here: the gate released it already."""
-    record = Record(request_id=_next_request_id())
+    record = Record(request_id=next_request_id())
     request[_RECORD_KEY] = record
     try:
         return await handler(request)
@@ -127,12 +119,12 @@ async def error_middleware(
         return _error_response(error, record, of_request=False)
 
 
-async def _read_body(request: web.Request, server: ServerConfig) -> bytes:
-    """The body, within the byte limit and the read timeout: a stalled or endless upload
-    must not hold a buffer and a connection for ever."""
+async def _read_body(request: web.Request, server: ServerConfig, hold: BodyHold) -> bytes:
+    """The body, within the byte limit, the read timeout and the body budget (`hold`): a
+    stalled or endless upload must not hold a buffer and a connection for ever."""
     try:
         async with asyncio.timeout(server.body_read_timeout_s):
-            return await _read_limited(request, server.body_limit_bytes)
+            return await _read_limited(request, server.body_limit_bytes, hold)
     except TimeoutError:
         request.content.feed_eof()  # answered now, and the connection closed after it
         raise RequestTimeout(
@@ -140,12 +132,15 @@ async def _read_body(request: web.Request, server: ServerConfig) -> bytes:
             param="body") from None
 
 
-async def _read_limited(request: web.Request, limit: int) -> bytes:
+async def _read_limited(request: web.Request, limit: int, hold: BodyHold) -> bytes:
+    """A declared length is held in the budget before any byte is read; the bytes that
+    arrive beyond it (no length, or a compressed body growing) as they arrive."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise RequestTooLarge(
             f"request body is {declared} bytes; the limit is {limit} bytes", param="body"
         )
+    hold.grow_to(declared or 0)
     chunks: list[bytes] = []
     size = 0
     try:
@@ -155,6 +150,7 @@ async def _read_limited(request: web.Request, limit: int) -> bytes:
                 raise RequestTooLarge(
                     f"request body exceeds the limit of {limit} bytes", param="body"
                 )
+            hold.grow_to(size)
             chunks.append(chunk)
     except web.RequestPayloadError as exc:  # e.g. `Content-Encoding: gzip` on a plain body
         # The rest of the body cannot be parsed either: end it here, answer, and close
@@ -202,14 +198,18 @@ def _identity(request: web.Request, runtime: Runtime) -> Identity:
 
 
 async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    """One inference request. Its body is held in the body budget from its first byte
+    until it is admitted (`_send`) or answered: `finally` gives it back on every way."""
     runtime = request.app[RUNTIME_KEY]
     record = request[_RECORD_KEY]
+    hold = runtime.bodies.hold()
     try:
         try:
-            raw = await _read_body(request, runtime.config.server)
+            raw = await _read_body(request, runtime.config.server, hold)
             req = (validate(raw, endpoint) if len(raw) < _OFF_LOOP_BYTES else await
                    asyncio.get_running_loop().run_in_executor(None, validate, raw, endpoint))
             gate = runtime.gate(req.model)
+            hold.assign(gate.name)
             who = _identity(request, runtime)
             ask = Ask(request=req, raw=raw, deadline=_deadline(request, runtime),
                       priority=who.priority, tenant=who.tenant)
@@ -219,7 +219,7 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         except (asyncio.CancelledError, ConnectionResetError):
             record.end(Outcome.CLIENT_DISCONNECT)
             raise
-        send = functools.partial(_send, request, endpoint)
+        send = functools.partial(_send, request, endpoint, hold)
         forwarded = await gate.handle(ask, record, send)
         return forwarded.response
     except KvgateError as exc:
@@ -227,9 +227,15 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         if request.content.exception() is not None or isinstance(exc, RequestTimeout):
             response.force_close()  # the rest of that body cannot be read: close after it
         return response
+    finally:
+        hold.release()
 
 
-async def _send(request: web.Request, endpoint: Endpoint, admitted: Admitted) -> Forwarded:
+async def _send(request: web.Request, endpoint: Endpoint, hold: BodyHold,
+                admitted: Admitted) -> Forwarded:
+    """Forward an admitted request; its body leaves the budget, which bounds what waits
+    (what is admitted, the backends' capacity bounds)."""
+    hold.release()
     backend = admitted.lease.backend
     return await forward(
         session=request.app[_SESSION_KEY], request=request, backend_name=backend.name,
@@ -300,9 +306,10 @@ async def start_proxy(
     ledger: Ledger | None = None,
 ) -> web.AppRunner:
     """Start the proxy (port 0 picks a free one). handler_cancellation: a client that
-    leaves cancels its handler, so a queued waiter leaves at once and a stream stops."""
-    runner = web.AppRunner(build_app(config, ledger=ledger), handler_cancellation=True,
-                           access_log=None)
+    leaves cancels its handler, so a queued waiter leaves at once and a stream stops;
+    `ContractRunner`: malformed HTTP is answered in the contract too (`proxy.protocol`)."""
+    runner = ContractRunner(build_app(config, ledger=ledger), handler_cancellation=True,
+                            access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host or config.server.host,
                        config.server.port if port is None else port)

@@ -89,6 +89,13 @@ def test_invalid_model_config_names_the_key(change: dict[str, Any], message: str
         ({"ledger": {"kind": "etcd"}}, "`ledger.kind`"),
         ({"server": {"admin_token": ""}}, "`server.admin_token` must be a non-empty string"),
         ({"server": {"admin_token": 42}}, "`server.admin_token` must be a non-empty string"),
+        ({"server": {"body_limit": "1MiB", "body_budget": "512KiB"}},
+         "`server.body_budget` (524288 bytes) must be at least `server.body_limit`"),
+        ({"server": {"body_budget_per_model": "1KiB"}},
+         "`server.body_budget_per_model` (1024 bytes) must be at least `server.body_limit`"),
+        ({"server": {"body_budget": "8MiB", "body_budget_per_model": "16MiB"}},
+         "must not exceed `server.body_budget` (8388608 bytes)"),
+        ({"server": {"body_budget": "lots"}}, "`server.body_budget` must be a number"),
         ({"colour": "blue"}, "unknown key `colour`"),
     ],
 )
@@ -96,6 +103,14 @@ def test_invalid_sections_name_the_key(section: dict[str, Any], message: str) ->
     with pytest.raises(ConfigError) as info:
         parse_config({**base(), **section}, base=ROOT)
     assert message in str(info.value)
+
+
+def test_body_budget_reads_bytes_with_units() -> None:
+    server = parse_config({**base(), "server": {
+        "body_limit": "64KiB", "body_budget": "1MiB", "body_budget_per_model": 262144}},
+        base=ROOT).server
+    assert (server.body_limit_bytes, server.body_budget_bytes,
+            server.body_budget_per_model_bytes) == (65536, 2**20, 262144)
 
 
 def test_serve_with_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:

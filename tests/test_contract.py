@@ -582,3 +582,49 @@ def test_a_count_that_fails_is_a_500_that_names_the_request_and_holds_nothing(
             assert f'kvgate_requests_total{{model="qwen3-14b",outcome="{outcome}"}} 1.0' in text
 
     asyncio.run(scenario())
+
+
+MALFORMED = [
+    b"GARBAGE\r\n\r\n",  # no method, path or version
+    b"GET /v1/models HTTP/9.9\r\nHost: x\r\n\r\n",  # a version that does not exist
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",  # space in a name
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nno-colon-here\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # request line too long
+]
+
+
+@pytest.mark.parametrize("raw", MALFORMED, ids=["line", "version", "header-name",
+                                                 "no-colon", "content-length", "too-long"])
+def test_malformed_http_is_a_json_400_with_one_short_log_line(
+    raw: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp's parser refuses these before any handler runs; kvgate answers them in
+    the contract all the same, closes the connection, and logs one line, no traceback."""
+
+    async def scenario() -> tuple[bytes, bytes]:
+        async with running_stack(backends=1) as stack:
+            port = int(stack.url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(raw)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 5)  # read() ends: closed
+            writer.close()
+            async with aiohttp.ClientSession() as s, s.get(f"{stack.url}/healthz") as resp:
+                assert resp.status == 200  # the server goes on
+            head, _, body = answer.partition(b"\r\n\r\n")
+            return head, body
+
+    with caplog.at_level(logging.DEBUG):
+        head, body = asyncio.run(scenario())
+    assert re.match(rb"HTTP/1\.[01] 400 ", head), head
+    headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
+    assert headers["Content-Type"].startswith("application/json")
+    assert headers["x-should-retry"] == "false"
+    error = assert_shaped(json.loads(body), 400, "invalid_request")
+    assert error["message"].startswith("the request is not valid HTTP/1.1: ")
+    assert "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+    lines = [r for r in caplog.records if "malformed HTTP" in r.getMessage()]
+    assert len(lines) == 1 and len(lines[0].getMessage()) < 400
+    assert headers["x-kvgate-request-id"] in lines[0].getMessage()

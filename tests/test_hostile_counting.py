@@ -56,6 +56,7 @@ from proxy.tokenize.guard import (
     is_panic,
     whitespace_runs,
 )
+from tests.support.metrics import samples
 from tests.support.reference import hf_count, hf_tokenizer
 from tests.support.stack import MODEL, running_stack
 
@@ -697,5 +698,64 @@ def test_count_failed_in_a_worker_is_count_failed_in_the_proxy() -> None:
                 await workers.count("chat", _chat_body("hi"))
         finally:
             await workers.close()
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ their metrics
+
+
+async def _metric(session: aiohttp.ClientSession, url: str, name: str,
+                  labels: dict[str, str] | None = None) -> float:
+    """One sample of kvgate's /metrics, scraped over HTTP (0 where it has none yet)."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(value for got, value in samples(text).get(name, [])
+               if labels is None or got == labels)
+
+
+@pytest.mark.parametrize("on_bound", [False, True])
+def test_a_tokenizer_panic_over_http_counts_as_a_count_failure(on_bound: bool) -> None:
+    """The fast core and `tokenizers` both panic: nothing can count exactly. Counted
+    first, the request is refused (500); admitted on its bound, it keeps the bound and
+    is served. Either way `kvgate_count_failures_total` says so."""
+
+    async def scenario() -> tuple[int, float]:
+        async with running_stack(backends=1, server={"admit_on_bound": on_bound}) as stack, \
+                aiohttp.ClientSession() as s:
+            c = stack.state.gates[MODEL].counter
+            assert isinstance(c, TokenCounter) and isinstance(c._encoder, ByteLevelBPEEncoder)
+            c._encoder._ref._tok = _PanickingTokenizer(panic_type()("boom"))
+            with raising(c._encoder, "_core_encode", panic_type()("core")):
+                async with s.post(f"{stack.url}/v1/chat/completions",
+                                  data=_chat_body("count me if you can")) as resp:
+                    status = resp.status
+                    await resp.read()
+            labels = {"model": MODEL}
+            return status, await _metric(s, stack.url, "kvgate_count_failures_total", labels)
+
+    status, failures = asyncio.run(scenario())
+    assert status == (200 if on_bound else 500)
+    assert failures == 1
+
+
+def test_a_killed_worker_over_http_counts_as_an_exit_and_a_restart() -> None:
+    async def scenario() -> None:
+        async with running_stack(backends=1, server={"count_workers": 1}) as stack, \
+                aiohttp.ClientSession() as s:
+            workers = stack.state.count_workers
+            assert workers is not None
+            url = stack.url
+            assert await _metric(s, url, "kvgate_count_worker_restarts_total") == 0
+            (before,) = workers.describe()
+            os.kill(before["pid"], signal.SIGKILL)  # this test's own worker
+            await _until(lambda: workers.describe()[0]["pid"] != before["pid"]
+                         and workers.describe()[0]["alive"])
+            async with s.post(f"{url}/v1/chat/completions",
+                              data=_chat_body("Hello there")) as resp:
+                assert resp.status == 200, await resp.text()
+            assert workers.describe()[0]["counted"] == 1  # counted by the new worker
+            assert await _metric(s, url, "kvgate_count_worker_exits_total") == 1
+            assert await _metric(s, url, "kvgate_count_worker_restarts_total") == 1
 
     asyncio.run(scenario())
