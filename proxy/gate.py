@@ -176,10 +176,10 @@ class Gate:
                 ask = replace(ask, request=req)
         if ask.prompt_tokens is None:
             self._refuse_what_never_fits(req)
-        # Block keys come from one encoding of the prompt in the count pool; where count
-        # workers or admission on a bound are set, they count (no keys: charged whole).
-        sharing = (self.count_workers is None and not self.admit_on_bound
-                   and any(b.shares_prefixes for b in self.backends))
+        # Block keys come from one exact encoding of the prompt in the count pool, before
+        # admission (so not on a bound); where count workers are set, they count (no
+        # keys: every lease charged its whole prompt).
+        sharing = self.count_workers is None and any(b.shares_prefixes for b in self.backends)
         rendered = None if sharing else self._render(ask)
         if rendered is not None and self._may_admit_on_bound(req, rendered):
             assert rendered.max_tokens is not None

@@ -6,6 +6,9 @@ starts; the headers, the lease, the tracker and the context check still end on t
 exact count. These tests run over real HTTP against the simulator and check the
 counts against transformers; the bound itself is checked against the encoders on the
 corpus and on fuzzed text.
+
+A bound has no token ids, so a model that shares prefix blocks counts first
+(`proxy.gate`): these stacks turn sharing off, where bound admission applies.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from tests.support.stack import MODEL, MODELS, Stack, running_stack
 
 ASCII_WORDS = [w for w in WORDS if w.isascii()]
 
+BOUND: dict[str, Any] = {"prefix_sharing": "off"}
+
 
 def ascii_chat(n_words: int, seed: int = 7) -> list[dict[str, str]]:
     rng = random.Random(seed)
@@ -66,7 +71,7 @@ def bound_of(stack: Stack, messages: list[dict[str, Any]]) -> int:
 async def behind(chat_handler: Any) -> AsyncIterator[Stack]:
     """kvgate in front of one hand-written backend, once it is seen healthy."""
     async with fake_backend(chat_handler) as url, \
-            running_stack(backends=0, extra_backend_urls=[url]) as stack:
+            running_stack(backends=0, extra_backend_urls=[url], model=BOUND) as stack:
         async with asyncio.timeout(5):
             while not stack.state.backends()[0].healthy:
                 await asyncio.sleep(0.02)
@@ -83,7 +88,8 @@ def test_a_request_admitted_on_its_bound_ends_on_its_exact_count(reservation: st
     exact = hf_count(hf_tokenizer(MODELS / MODEL), {"messages": messages})
 
     async def scenario() -> None:
-        async with running_stack(backends=1, kv_tokens=16384, model={"reservation": reservation},
+        async with running_stack(backends=1, kv_tokens=16384,
+                                 model={**BOUND, "reservation": reservation},
                                  engine={"decode_step_ms": 20}) as stack, \
                 aiohttp.ClientSession() as s:
             model = stack.state.gates[MODEL]
@@ -126,7 +132,7 @@ def test_without_room_for_the_bound_the_exact_count_admits() -> None:
     exact = hf_count(hf_tokenizer(MODELS / MODEL), {"messages": messages})
 
     async def scenario() -> None:
-        async with running_stack(backends=1, kv_tokens=1024) as stack, \
+        async with running_stack(backends=1, kv_tokens=1024, model=BOUND) as stack, \
                 aiohttp.ClientSession() as s:
             assert bound_of(stack, messages) + 100 > 1024 >= blocks(exact + 100)
             body = {"model": MODEL, "messages": messages, "max_tokens": 100}
@@ -150,7 +156,7 @@ def test_the_context_check_is_made_on_the_exact_count() -> None:
     exact = hf_count(hf_tokenizer(MODELS / MODEL), {"messages": messages})
 
     async def scenario() -> None:
-        async with running_stack(backends=1, kv_tokens=16384) as stack, \
+        async with running_stack(backends=1, kv_tokens=16384, model=BOUND) as stack, \
                 aiohttp.ClientSession() as s:
             fits = 8192 - exact
             assert bound_of(stack, messages) + fits > 8192
@@ -205,7 +211,7 @@ def test_with_requests_in_flight_the_count_comes_first() -> None:
     messages = ascii_chat(50)
 
     async def scenario() -> None:
-        async with running_stack(backends=1, kv_tokens=16384,
+        async with running_stack(backends=1, kv_tokens=16384, model=BOUND,
                                  engine={"decode_step_ms": 20}) as stack, \
                 aiohttp.ClientSession() as s:
             body = {"model": MODEL, "messages": messages, "max_tokens": 30, "stream": True}
