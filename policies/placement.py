@@ -2,14 +2,16 @@
 
 Where a request's prefix already lives. A backend whose live leases hold some of
 the request's leading blocks (ready: their engine has answered) charges it less, and
-its engine computes less (a prefix hit). Among the backends with room, the one that
-would hold most of the prefix goes first, *sticky until saturated*, as llm-d's
-precise prefix routing and SGLang's cache-aware router do: it stays first while its
-fill after the placement is at most `PREFIX_IMBALANCE` above the least filled
-backend's that fits; past that the request goes where the load is (and, once
-answered there, seeds the prefix there too), so a hot prefix does not pile onto one
-backend while others idle. SGLang switches to load on an absolute gap of 32 running
-requests; a share of the pool is the same idea in the unit kvgate admits in.
+its engine computes less (a prefix hit); one where they were released recently
+probably still caches them (`proxy.recent_blocks`): no smaller charge, the same hit.
+Among the backends with room, the one that would hold most of the prefix goes
+first, *sticky until saturated*, as llm-d's precise prefix routing and SGLang's
+cache-aware router do: it stays first while its fill after the placement is at most
+`PREFIX_IMBALANCE` above the least filled backend's that fits; past that the request
+goes where the load is (and, once answered there, seeds the prefix there too), so a
+hot prefix does not pile onto one backend while others idle. SGLang switches to load
+on an absolute gap of 32 running requests; a share of the pool is the same idea in
+the unit kvgate admits in.
 """
 
 from __future__ import annotations
@@ -36,10 +38,16 @@ class BackendRoom:
     capacity_tokens: int
     resident_tokens: int
     shared_tokens: int = 0  # of the demand, held there in ready shared blocks: not charged
+    cached_tokens: int = 0  # more of its prefix, probably still in the engine's cache there
 
     @property
     def free_tokens(self) -> int:
         return self.capacity_tokens - self.resident_tokens
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Of the demand's prefix, what the engine there would not compute again."""
+        return self.shared_tokens + self.cached_tokens
 
     def cost(self, demand_tokens: int) -> int:
         """What the demand adds here."""
@@ -59,12 +67,12 @@ def rank_backends(
         fitting.sort(key=lambda b: b.free_tokens - b.cost(demand_tokens))
     else:
         fitting.sort(key=lambda b: b.resident_tokens / max(1, b.capacity_tokens))
-    if fitting and max(b.shared_tokens for b in fitting) > 0:
+    if fitting and max(b.prefix_tokens for b in fitting) > 0:
         least = min(b.fill_after(demand_tokens) for b in fitting)
         sticky = [b for b in fitting
-                  if b.shared_tokens > 0
+                  if b.prefix_tokens > 0
                   and b.fill_after(demand_tokens) <= least + PREFIX_IMBALANCE]
-        sticky.sort(key=lambda b: -b.shared_tokens)  # stable: the policy's order on ties
+        sticky.sort(key=lambda b: -b.prefix_tokens)  # stable: the policy's order on ties
         rest = [b for b in fitting if b not in sticky]
         fitting = sticky + rest
     return [b.name for b in fitting]

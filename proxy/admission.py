@@ -31,6 +31,7 @@ from proxy.deadlines import passed_wait_s, predict_waits
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
+from proxy.recent_blocks import RecentBlocks
 from proxy.release_rate import ReleaseRate
 
 __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "controller_for"]
@@ -95,6 +96,7 @@ class AdmissionController:
         self._dispatch_again = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.release_rate = ReleaseRate()
+        self._recent: dict[str, RecentBlocks] = {}  # per backend: `proxy.recent_blocks`
         self._on_event = on_event or (lambda _kind, _lease: None)
         # Adaptive reservation: what a followed demand should hold now. A waiter sized
         # by the cold-start rule is sized anew from the history once there is one.
@@ -181,11 +183,20 @@ class AdmissionController:
                 name=b.name,
                 capacity_tokens=self._admission_room(b, demand),
                 resident_tokens=self._ledger.resident(b.name),
-                shared_tokens=self._shared_on(b, demand),
+                shared_tokens=(shared := self._shared_on(b, demand)),
+                cached_tokens=self._cached_on(b, demand, shared),
             )
             for b in self.backends
             if b.healthy
         ]
+
+    def _cached_on(self, backend: Backend, demand: Demand | None, shared: int) -> int:
+        """Tokens of `demand`, past the `shared` ones, its engine probably still caches."""
+        recent = self._recent.get(backend.name)
+        if demand is None or not demand.blocks or recent is None or not backend.shares_prefixes:
+            return 0
+        start = shared // demand.block_tokens
+        return demand.block_tokens * recent.leading(demand.blocks, start)
 
     def _shared_on(self, backend: Backend, demand: Demand | None) -> int:
         """Tokens of `demand` that ready blocks already on `backend` would cover."""
@@ -407,6 +418,13 @@ class AdmissionController:
         self.kick()
 
     def _released(self, lease: Lease) -> None:
+        d = lease.demand
+        if d.blocks and lease.was_answered and lease.backend.shares_prefixes:
+            recent = self._recent.get(lease.backend.name)
+            if recent is None:
+                recent = self._recent[lease.backend.name] = RecentBlocks(
+                    lease.backend.capacity_tokens // d.block_tokens)
+            recent.remember(d.blocks)
         lease.backend._inflight -= 1
         self._short.pop(lease.lease_id, None)
         self._ledger.release(lease.lease_id)

@@ -122,6 +122,10 @@ class Lease:
         return max(0, self.wanted_tokens - self.tokens)
 
     @property
+    def was_answered(self) -> bool:
+        return self._answered
+
+    @property
     def released(self) -> bool:
         return self._released
 

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from policies.engines import EngineKind
+from policies.engines import EngineKind, PrefixSharing
 from policies.output import OutputPolicy
 from policies.placement import PlacementName
 from policies.reservation import ReservationMode
@@ -52,9 +52,11 @@ from proxy.errors import KvgateError
 from proxy.gate import Gate, every
 from proxy.ledger import MemoryLedger
 from proxy.metrics import Metrics
+from proxy.prefix_blocks import shareable_blocks
 from proxy.reservation import Progress
 from proxy.sim.engine import EngineConfig, OutputLength, SimEngine
-from proxy.traces import TraceRequest, load_trace
+from proxy.sim.kv_cache import block_hashes_from_hash_ids
+from proxy.traces import HASH_ID_TOKENS, TraceRequest, load_trace
 from proxy.validation import Endpoint, ValidRequest
 from proxy.virtual_time import VirtualClockLoop
 
@@ -128,6 +130,10 @@ class Scenario:
     sample_interval_s: float = 1.0
     deployment: Deployment | None = None  # hybrid layouts: its ledger tokens; else blocks
     label: str = ""
+    # The engines' prefix caching (vLLM v1's, on by default) and kvgate's prefix sharing:
+    # a trace with hash ids (Mooncake's) shares prefixes in both.
+    prefix_caching: bool = True
+    prefix_sharing: PrefixSharing = PrefixSharing.AUTO
 
     def model_config(self) -> ModelConfig:
         """The model as `kvgate serve` would be configured for this deployment."""
@@ -136,6 +142,7 @@ class Scenario:
             output=self.output, placement=self.placement, deployment=self.deployment,
             block_size=self.block_size, capacity_tokens=self.capacity_tokens,
             capacity_source="scenario", reservation=self.reservation, adaptive=self.adaptive,
+            prefix_sharing=self.prefix_sharing,
             backends=tuple(BackendConfig(name=f"backend-{i}", url=f"sim://{i}",
                                          kind=EngineKind.VLLM) for i in range(self.backends)))
 
@@ -181,6 +188,11 @@ class SimReport:
     ttft_slo_s: float
     goodput: int
     goodput_ratio: float
+    # prefix sharing: tokens admitted requests were not charged (blocks already held
+    # there), and the engines' own prefix-cache hits and queries (tokens)
+    shared_prefix_tokens: int = 0
+    engine_prefix_hit_tokens: int = 0
+    engine_prefix_query_tokens: int = 0
     timeline: list[dict[str, float]] = field(default_factory=list)
 
     @property
@@ -211,9 +223,11 @@ class _StreamSink(asyncio.Queue[tuple[int, int | None]]):
     resolves `done`, which keeps an hour of decode steps cheap.
     """
 
-    def __init__(self, progress: Progress | None, clock: Callable[[], float]) -> None:
+    def __init__(self, progress: Progress | None, clock: Callable[[], float],
+                 on_first: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.progress = progress
+        self.on_first = on_first
         self.clock = clock
         self.first_token_s: float | None = None
         self.generated = 0
@@ -230,6 +244,8 @@ class _StreamSink(asyncio.Queue[tuple[int, int | None]]):
             return
         if self.first_token_s is None:
             self.first_token_s = self.clock()
+            if self.on_first is not None:
+                self.on_first()  # as the role event reaches kvgate: the prefill is done
             if p is not None:
                 p.first_event_s = self.first_token_s
                 p.events += 1  # the role event goes out with the first token
@@ -276,9 +292,13 @@ class _Replay:
                 max_num_seqs=s.speed.max_num_seqs,
                 prefill_tokens_per_s=s.speed.prefill_tokens_per_s,
                 decode_step_ms=s.speed.decode_step_ms, per_seq_ms=s.speed.per_seq_ms,
-                output_length=OutputLength.MAX))
+                output_length=OutputLength.MAX, prefix_caching=s.prefix_caching))
             for b in self.backends
         }
+        if not s.prefix_caching:  # as the engines' cache_config_info would say
+            for b in self.backends:
+                self.controller.set_shares_prefixes(b, False)
+        self.shared_tokens = 0
         self.client = ClientBehaviour(s.client)
         self.rejected: dict[str, int] = {}
         self.peaks = {b.name: 0 for b in self.backends}
@@ -325,6 +345,7 @@ class _Replay:
         arrival = self.loop.time()
         requested = self.client.max_tokens(spec.output_tokens)
         ask = Ask(request=_chat(requested), raw=b"", prompt_tokens=(spec.prompt_tokens,),
+                  blocks=self._ledger_keys(spec),
                   deadline=arrival + min(s.queue.default_deadline_s, s.queue.max_deadline_s))
         record = Record(request_id=f"replay-{next(self._ids)}")
         self.records.append(record)
@@ -339,6 +360,7 @@ class _Replay:
             self.rejected[ENGINE_REFUSED] = self.rejected.get(ENGINE_REFUSED, 0) + 1
             return
         self.completed += 1
+        self.shared_tokens += record.shared_tokens or 0
         self.resident_per_request.append(self.gate.ledger_tokens(spec.prompt_tokens
                                                                  + run.generated))
         if run.first_token_s is not None:
@@ -346,6 +368,22 @@ class _Replay:
             self.ttfts.append(ttft)
             if ttft <= s.ttft_slo_s:
                 self.good += 1
+
+    def _engine_hashes(self, spec: TraceRequest) -> list[int] | None:
+        if not spec.hash_ids:
+            return None
+        return block_hashes_from_hash_ids(spec.hash_ids, hash_id_tokens=HASH_ID_TOKENS,
+                                          block_size=self.s.block_size,
+                                          prompt_tokens=spec.prompt_tokens)
+
+    def _ledger_keys(self, spec: TraceRequest) -> tuple[str, ...]:
+        """The ledger's keys of the prompt's shareable blocks: the engine's own block
+        hashes (one process, so Python's hash of ints is stable here), in 16 hex digits."""
+        hashes = self._engine_hashes(spec)
+        if not hashes:
+            return ()
+        n = shareable_blocks(spec.prompt_tokens, self.s.block_size)
+        return tuple(f"{h & 0xFFFF_FFFF_FFFF_FFFF:016x}" for h in hashes[:n])
 
     async def _run_in_engine(self, spec: TraceRequest, requested: int | None,
                              admitted: Admitted) -> _EngineRun:
@@ -359,9 +397,9 @@ class _Replay:
         engine_max = room if engine_max is None else min(engine_max, room)
         if not engine.fits_ever(prompt, engine_max):
             return _EngineRun(status=400)
-        sink = _StreamSink(admitted.progress, self.loop.time)
+        sink = _StreamSink(admitted.progress, self.loop.time, admitted.lease.answered)
         engine.submit(prompt_tokens=prompt, max_tokens=engine_max, out=sink,
-                      eos_after=spec.output_tokens)
+                      eos_after=spec.output_tokens, block_hashes=self._engine_hashes(spec))
         await sink.done
         if admitted.progress is not None:  # what the final usage chunk tells the tracker
             admitted.progress.tail += b'"usage":{"completion_tokens":%d}' % sink.generated
@@ -374,7 +412,11 @@ class _Replay:
         """What the engine's `/metrics` would say, from the engine object itself."""
         engine = self.engines[backend.name]
         return EngineLoad(usage_ratio=engine.blocks_used / engine.config.num_blocks,
-                          preemptions_total=engine.preemptions)
+                          preemptions_total=engine.preemptions,
+                          prefix_caching=engine.config.prefix_caching,
+                          block_size=engine.config.block_size,
+                          prefix_hit_tokens_total=engine.prefix_cache_hits,
+                          prefix_query_tokens_total=engine.prefix_cache_queries)
 
     async def run(self, requests: Sequence[TraceRequest]) -> SimReport:
         loop = self.loop
@@ -437,6 +479,10 @@ class _Replay:
             preemptions=sum(e.preemptions for e in self.engines.values()),
             ttft_slo_s=s.ttft_slo_s, goodput=self.good,
             goodput_ratio=round(self.good / n, 6) if n else 0.0,
+            shared_prefix_tokens=self.shared_tokens,
+            engine_prefix_hit_tokens=sum(e.prefix_cache_hits for e in self.engines.values()),
+            engine_prefix_query_tokens=sum(e.prefix_cache_queries
+                                           for e in self.engines.values()),
             timeline=self.timeline,
         )
 

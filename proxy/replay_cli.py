@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from policies.engines import PrefixSharing
 from policies.output import OutputPolicy, OutputPolicyName
 from policies.reservation import ReservationMode
 from proxy.config import QueueConfig, load_config
@@ -45,7 +46,8 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
                         prefill_tokens_per_s=args.prefill_tokens_per_s,
                         max_num_seqs=args.max_num_seqs)
     common: dict[str, Any] = {"speed": speed, "client": args.client,
-                              "ttft_slo_s": args.ttft_slo, "sample_interval_s": args.sample_s}
+                              "ttft_slo_s": args.ttft_slo, "sample_interval_s": args.sample_s,
+                              "prefix_caching": not args.no_prefix_caching}
     if args.config:
         config = load_config(args.config)
         models = {m.name: m for m in config.models}
@@ -59,7 +61,8 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
             max_model_len=args.max_model_len or model.max_model_len, queue=config.queue,
             reservation=ReservationMode(args.reservation or model.reservation),
             adaptive=model.adaptive, output=model.output, placement=model.placement,
-            deployment=deployment, **common)
+            deployment=deployment,
+            prefix_sharing=PrefixSharing(args.prefix_sharing or model.prefix_sharing), **common)
     else:
         capacity, block = _capacity_from_flags(args)
         queue = QueueConfig(max_depth=args.max_queue_depth, default_deadline_s=args.deadline,
@@ -68,7 +71,8 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
             capacity_tokens=capacity, backends=args.backends or 1, block_size=block,
             max_model_len=args.max_model_len or 8192, queue=queue,
             reservation=ReservationMode(args.reservation or "adaptive"),
-            output=OutputPolicy(name=OutputPolicyName.FILL), **common)
+            output=OutputPolicy(name=OutputPolicyName.FILL),
+            prefix_sharing=PrefixSharing(args.prefix_sharing or "auto"), **common)
     if args.config and (args.deadline_given or args.depth_given):
         scenario = replace(scenario, queue=replace(
             scenario.queue,
@@ -272,6 +276,12 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     eng.add_argument("--prefill-tokens-per-s", type=float,
                      default=_SPEED.prefill_tokens_per_s)
     eng.add_argument("--max-num-seqs", type=int, default=_SPEED.max_num_seqs)
+    eng.add_argument("--no-prefix-caching", action="store_true",
+                     help="engines without prefix caching (a Mooncake trace's hash ids then "
+                          "share nothing)")
+    dep.add_argument("--prefix-sharing", choices=["auto", "off"],
+                     help="kvgate charges shared prefix blocks once (auto, the default) or "
+                          "every prompt whole (off)")
     q = p.add_argument_group("queue (override the config's)")
     q.add_argument("--deadline", type=float, default=_QUEUE.default_deadline_s,
                    action=_Given, help="queue deadline in s")

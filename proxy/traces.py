@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TraceRequest", "load_trace"]
+__all__ = ["HASH_ID_TOKENS", "TraceRequest", "load_trace"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,10 +22,17 @@ class TraceRequest:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    # Mooncake's: one id per `HASH_ID_TOKENS` tokens of the prompt, chained (equal ids
+    # at equal positions mean byte-identical prefixes); () where the trace has none
+    hash_ids: tuple[int, ...] = ()
 
 
-def _azure(path: Path) -> list[tuple[float, int, int]]:
-    rows: list[tuple[float, int, int]] = []
+HASH_ID_TOKENS = 512  # tokens per Mooncake hash id
+_Row = tuple[float, int, int, tuple[int, ...]]
+
+
+def _azure(path: Path) -> list[_Row]:
+    rows: list[_Row] = []
     first: datetime | None = None
     with path.open(newline="") as f:
         for i, rec in enumerate(csv.DictReader(f), start=2):
@@ -33,7 +40,7 @@ def _azure(path: Path) -> list[tuple[float, int, int]]:
                 stamp = datetime.strptime(rec["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f")
                 first = first or stamp
                 rows.append(((stamp - first).total_seconds(), int(rec["ContextTokens"]),
-                             int(rec["GeneratedTokens"])))
+                             int(rec["GeneratedTokens"]), ()))
             except (KeyError, ValueError, TypeError) as exc:
                 raise ValueError(f"{path}:{i}: not an Azure LLM trace row ({exc})") from None
     return rows
@@ -47,7 +54,7 @@ def _stamp_s(value: Any) -> float:
     raise ValueError(f"unreadable timestamp {value!r}")
 
 
-def _jsonl(path: Path) -> list[tuple[float, int, int]]:
+def _jsonl(path: Path) -> list[_Row]:
     """Mooncake (`timestamp` ms, `input_length`, `output_length`) or kvgate's request log.
 
     kvgate's `kvgate.request` lines carry `prompt_tokens`; the arrival is `ts`,
@@ -55,7 +62,7 @@ def _jsonl(path: Path) -> list[tuple[float, int, int]]:
     the output `output_tokens` or `completion_tokens`. Lines whose `outcome` is not
     `completed` are replayed too: they are demand the deployment must answer.
     """
-    rows: list[tuple[float, int, int]] = []
+    rows: list[_Row] = []
     with path.open() as f:
         for i, line in enumerate(f, start=1):
             line = line.strip()
@@ -65,8 +72,9 @@ def _jsonl(path: Path) -> list[tuple[float, int, int]]:
             try:
                 rec = json.loads(line[brace:] if brace > 0 else line)
                 if "input_length" in rec:  # Mooncake
+                    ids = tuple(int(h) for h in rec.get("hash_ids") or ())
                     rows.append((float(rec["timestamp"]) / 1000, int(rec["input_length"]),
-                                 int(rec["output_length"])))
+                                 int(rec["output_length"]), ids))
                     continue
                 stamp = next((rec[k] for k in ("ts", "time", "timestamp") if k in rec), None)
                 out = next((rec[k] for k in ("output_tokens", "completion_tokens") if k in rec),
@@ -74,7 +82,7 @@ def _jsonl(path: Path) -> list[tuple[float, int, int]]:
                 if stamp is None or out is None or rec.get("prompt_tokens") is None:
                     raise ValueError("needs prompt_tokens, output_tokens (or completion_tokens) "
                                      "and ts (or time, timestamp)")
-                rows.append((_stamp_s(stamp), int(rec["prompt_tokens"]), int(out)))
+                rows.append((_stamp_s(stamp), int(rec["prompt_tokens"]), int(out), ()))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{i}: not a trace line ({exc})") from None
     return rows
@@ -96,10 +104,10 @@ def load_trace(path: str | Path, *, start_s: float = 0.0, duration_s: float | No
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
     out: list[TraceRequest] = []
-    for t, prompt, output in rows:
+    for t, prompt, output, hash_ids in rows:
         rel = t - t0 - start_s
         if rel < 0 or (duration_s is not None and rel >= duration_s) or prompt < 1:
             continue
         out.append(TraceRequest(arrival_s=rel / speed, prompt_tokens=prompt,
-                                output_tokens=max(1, output)))
+                                output_tokens=max(1, output), hash_ids=hash_ids))
     return out

@@ -418,7 +418,8 @@ def test_every_error_class_has_a_table_row_and_back() -> None:
         "model_not_found": 404, "not_found": 404, "method_not_allowed": 405,
         "request_too_large": 413, "request_timeout": 408, "queue_full": 429,
         "queue_timeout": 429, "no_backend": 503,
-        "ledger_unavailable": 503, "upstream_error": 502, "internal_error": 500,
+        "ledger_unavailable": 503, "memory_budget": 503, "upstream_error": 502,
+        "internal_error": 500,
     }
     assert {code: cls.status for code, cls in ERROR_TABLE.items()} == expected
 
