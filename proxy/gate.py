@@ -193,7 +193,7 @@ class Gate:
             try:
                 shared = await self._count_shared(req) if sharing else None
                 if shared is not None:
-                    prompts, blocks = [shared[0]], shared[1]
+                    prompts, blocks = _nonempty([shared[0]]), shared[1]
                 elif rendered is not None:
                     prompts = _nonempty([await self._counter.count_rendered_async(rendered)])
                 else:
@@ -446,10 +446,16 @@ class Gate:
         self, read_engine: Callable[[Backend], Awaitable[EngineLoad | None]]
     ) -> None:
         """Until cancelled, in adaptive mode: resize the live leases as they generate,
-        and read every healthy engine's own figures to move its admission target."""
-        if self.tracker is None:
-            return
+        and read every healthy engine's own figures to move its admission target. With
+        prefix sharing on (either mode) the engines are read too: one that reports its
+        prefix caching off, or another block size, shares nothing."""
         a = self.config.adaptive
+        if self.tracker is None:
+            if self.prefix_sharing:
+                await every(a.engine_poll_interval_s,
+                            functools.partial(self._read_engines, read_engine),
+                            f"reading the engines of {self.name}")
+            return
         await asyncio.gather(
             every(a.resize_interval_s, self._resize_tick, f"resizing leases of {self.name}"),
             every(a.engine_poll_interval_s, functools.partial(self._read_engines, read_engine),
@@ -476,13 +482,26 @@ class Gate:
     def engine_report(self, backend: Backend, load: EngineLoad, now: float) -> None:
         """A preemption, or the engine holding more than every lease, tightens the
         backend's admission target at once; quiet reports loosen it slowly."""
+        self._engine_shares(backend, load)
+        target = self.targets.get(backend.name)
+        if target is None:  # strict: read for its prefix caching only
+            return
         before = apply_engine_report(
-            self.controller, backend, self.targets[backend.name], now=now,
+            self.controller, backend, target, now=now,
             preemptions_total=load.preemptions_total, usage_ratio=load.usage_ratio,
             reserved_tokens=self.ledger.resident(backend.name))
         self.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,
-                                     preemptions=load.preemptions_total,
-                                     prefix_hit_tokens=load.prefix_hit_tokens_total)
+                                     preemptions=load.preemptions_total)
+        if backend.target_factor < before:
+            _log.warning(
+                "backend %s: engine pressure (preemptions %s, KV use %s); admission "
+                "target now %d of %d tokens", backend.name, load.preemptions_total,
+                load.usage_ratio, backend.target_tokens, backend.capacity_tokens)
+
+    def _engine_shares(self, backend: Backend, load: EngineLoad) -> None:
+        """The engine's own word on its prefix caching wins over its kind's default."""
+        if load.prefix_hit_tokens_total is not None:
+            self.metrics.engine_prefix_hits(backend.name, load.prefix_hit_tokens_total)
         if load.prefix_caching is not None and self.prefix_sharing:
             shares = load.prefix_caching and load.block_size in (None, self.config.block_size)
             if shares != backend.shares_prefixes:
@@ -491,11 +510,6 @@ class Gate:
                              load.prefix_caching, load.block_size, self.config.block_size,
                              "charged once" if shares else "charged per request")
                 self.controller.set_shares_prefixes(backend, shares)
-        if backend.target_factor < before:
-            _log.warning(
-                "backend %s: engine pressure (preemptions %s, KV use %s); admission "
-                "target now %d of %d tokens", backend.name, load.preemptions_total,
-                load.usage_ratio, backend.target_tokens, backend.capacity_tokens)
 
     def _lease_event(self, kind: str, lease: Lease | None) -> None:
         if lease is None:

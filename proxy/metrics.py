@@ -164,12 +164,12 @@ class Metrics:
     def shared_prefix(self, backend: str, tokens: int) -> None:
         self._child(self._shared_covered, backend).inc(tokens)
 
+    def engine_prefix_hits(self, backend: str, tokens: int) -> None:
+        self._child(self._engine_hits, backend).set(tokens)
+
     def engine_reported(
-        self, backend: str, *, usage_ratio: float | None, preemptions: int | None,
-        prefix_hit_tokens: int | None = None,
+        self, backend: str, *, usage_ratio: float | None, preemptions: int | None
     ) -> None:
-        if prefix_hit_tokens is not None:
-            self._child(self._engine_hits, backend).set(prefix_hit_tokens)
         if usage_ratio is not None:
             self._child(self._engine_usage, backend).set(usage_ratio)
         if preemptions is not None:

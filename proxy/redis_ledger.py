@@ -205,7 +205,12 @@ class RedisLedger:
         wait_s = self._rebuilding_left_s()
         if wait_s > 0:
             log.warning("shared ledger is being rebuilt: admitting in %.1f s", wait_s)
-            await asyncio.sleep(wait_s)
+        # A renewal meanwhile may move the window's end, and a timer may fire a hair
+        # before it: wait until it has passed (a few passes at most).
+        for _ in range(8):
+            if (wait_s := self._rebuilding_left_s()) <= 0:
+                break
+            await asyncio.sleep(wait_s + 0.001)
 
     async def drain(self) -> None:
         """Wait until every release and renewal queued so far has reached Redis.

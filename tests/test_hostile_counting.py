@@ -721,8 +721,10 @@ def test_a_tokenizer_panic_over_http_counts_as_a_count_failure(on_bound: bool) -
     is served. Either way `kvgate_count_failures_total` says so."""
 
     async def scenario() -> tuple[int, float]:
-        async with running_stack(backends=1, server={"admit_on_bound": on_bound}) as stack, \
-                aiohttp.ClientSession() as s:
+        # a bound has no ids: bound admission applies where nothing is shared
+        model = {"prefix_sharing": "off"} if on_bound else None
+        async with running_stack(backends=1, server={"admit_on_bound": on_bound},
+                                 model=model) as stack, aiohttp.ClientSession() as s:
             c = stack.state.gates[MODEL].counter
             assert isinstance(c, TokenCounter) and isinstance(c._encoder, ByteLevelBPEEncoder)
             c._encoder._ref._tok = _PanickingTokenizer(panic_type()("boom"))

@@ -162,11 +162,12 @@ def start_llama_server(log_dir: Path, *, ctx_size: int = 2048, parallel: int = 4
 
 def start_vllm(log_dir: Path, *, num_blocks: int, block_size: int = 32,
                max_model_len: int = 4096, max_num_seqs: int = 16,
-               timeout_s: float = 240.0) -> EngineProcess:
+               timeout_s: float = 240.0, prefix_caching: bool = False) -> EngineProcess:
     """vLLM's OpenAI server (CPU build) with random (dummy) weights for the tiny Qwen3,
     healthy on return. `num_blocks` of `block_size` tokens (the CPU attention takes
     multiples of 32) are its whole KV pool; vLLM keeps one of them as its null block.
-    Prefix caching is off, so that the same greedy request gives the same answer twice."""
+    Prefix caching is off unless asked, so that the same greedy request gives the same
+    answer twice."""
     python = vllm_python()
     model = tiny_model_dir()
     port = free_port()
@@ -176,7 +177,8 @@ def start_vllm(log_dir: Path, *, num_blocks: int, block_size: int = 32,
             "--max-model-len", str(max_model_len), "--block-size", str(block_size),
             "--num-gpu-blocks-override", str(num_blocks), "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(max(2048, max_model_len)),
-            "--no-enable-prefix-caching", "--uvicorn-log-level", "warning",
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            "--uvicorn-log-level", "warning",
             # tools with the default tool_choice "auto" need a parser (Qwen3's is hermes)
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
