@@ -1,0 +1,170 @@
+"""An attacker beside a legitimate client: how much of its small-chat throughput and
+latency the client keeps, one run, with and without the attacker, alternating phases.
+
+kvgate (`kvgate serve`) fronts one simulated backend (`kvgate sim`) with room to
+spare, each its own process on 127.0.0.1; this process is both clients. The client
+sends small chats in a closed loop (`--concurrency`). The attacker holds two
+connections and sends, as fast as kvgate answers, the worst bodies found so far, each
+just under the 4 MiB body limit, one kind per phase:
+
+- `unique-text`: one chat of ~4 MB of fresh words (counting-bound: a count cannot be
+  cached, and the prompt is far past the context, so it ends in a 400);
+- `spaces`: one chat of ~4 MB of spaces and tabs (the tokenizer's worst regex path);
+- `many-prompts`: a completions body of ~1M one-character prompts (refused at once
+  from parsing: more prompts than any backend could hold);
+- `tools`: a chat with ~4 MB of tool definitions (template rendering).
+
+Reported per kind: the client's requests/s and p50/p99 latency with the attacker,
+each as a ratio to the phases without it run just before. Acceptance (the hostile
+clients issue): >= 80% of the throughput kept and p99 under 50 ms.
+
+    .venv/bin/python -m benchmarks.bench_hostile [--seconds 8] [--concurrency 4] \
+        [--prefix-sharing auto|off] [--kinds unique-text,spaces,many-prompts,tools]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import tomli_w
+
+from benchmarks.bench_proxy import MODEL_DIR, free_port, ms, process
+
+LIMIT = 4 * 2**20 - 4096  # under kvgate's default body limit (4 MiB)
+KINDS = ("unique-text", "spaces", "many-prompts", "tools")
+
+
+def attack_body(kind: str, rng: random.Random) -> bytes:
+    if kind == "unique-text":
+        words = " ".join(f"w{rng.getrandbits(40):x}" for _ in range(LIMIT // 12))
+        return json.dumps({"model": "qwen3-14b", "max_tokens": 1,
+                           "messages": [{"role": "user", "content": words[:LIMIT - 200]}]}
+                          ).encode()
+    if kind == "spaces":
+        text = (" " * 63 + "\t") * ((LIMIT - 200) // 64)
+        return json.dumps({"model": "qwen3-14b", "max_tokens": 1,
+                           "messages": [{"role": "user", "content": text}]}).encode()
+    if kind == "many-prompts":
+        n = (LIMIT - 200) // 4
+        return ('{"model": "qwen3-14b", "max_tokens": 1, "prompt": [' + ",".join(['"a"'] * n)
+                + "]}").encode()
+    tool = {"type": "function", "function": {
+        "name": "lookup", "description": "look a thing up " * 20,
+        "parameters": {"type": "object", "properties": {
+            f"p{i}": {"type": "string", "description": "a field"} for i in range(20)}}}}
+    one = len(json.dumps(tool)) + 2
+    tools = [tool] * ((LIMIT - 300) // one)
+    return json.dumps({"model": "qwen3-14b", "max_tokens": 1, "tools": tools,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+async def victim(url: str, seconds: float, concurrency: int) -> tuple[list[float], float]:
+    body = {"model": "qwen3-14b", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Summarise the KV cache in one line."}]}
+    latencies: list[float] = []
+    stop = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def worker() -> None:
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                async with s.post(f"{url}/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"the client got {resp.status}")
+                latencies.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        async with asyncio.timeout(seconds + 60):
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return latencies, len(latencies) / (time.perf_counter() - t0)
+
+
+async def attacker(url: str, body: bytes, stop: asyncio.Event,
+                   statuses: dict[int, int]) -> None:
+    path = "/v1/completions" if b'"prompt"' in body[:200] else "/v1/chat/completions"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2)) as s:
+
+        async def one_connection() -> None:
+            while not stop.is_set():
+                async with s.post(url + path, data=body,
+                                  headers={"Content-Type": "application/json"}) as resp:
+                    await resp.read()
+                    statuses[resp.status] = statuses.get(resp.status, 0) + 1
+
+        await asyncio.gather(one_connection(), one_connection())
+
+
+async def compare(url: str, args: argparse.Namespace) -> None:
+    rng = random.Random(0)
+    print(f"client: {args.concurrency} connections of small chats; attacker: 2 connections; "
+          f"{args.seconds:.0f} s phases, alternating; latencies in ms")
+    print(f"{'attack':<14}{'alone req/s':>12}{'with req/s':>12}{'kept':>7}"
+          f"{'alone p99':>11}{'with p50':>10}{'with p99':>10}  attacker answers")
+    await victim(url, 2.0, args.concurrency)  # warm up
+    for kind in args.kinds.split(","):
+        body = attack_body(kind, rng)
+        alone_tp: list[float] = []
+        with_tp: list[float] = []
+        alone_lat: list[float] = []
+        with_lat: list[float] = []
+        statuses: dict[int, int] = {}
+        for _ in range(args.rounds):
+            lat, tp = await victim(url, args.seconds, args.concurrency)
+            alone_lat += lat
+            alone_tp.append(tp)
+            stop = asyncio.Event()
+            attack = asyncio.ensure_future(attacker(url, body, stop, statuses))
+            await asyncio.sleep(0.5)  # the attack under way
+            lat, tp = await victim(url, args.seconds, args.concurrency)
+            stop.set()
+            async with asyncio.timeout(120):
+                await attack
+            with_lat += lat
+            with_tp.append(tp)
+        a, w = statistics.mean(alone_tp), statistics.mean(with_tp)
+        answers = ", ".join(f"{n} x {code}" for code, n in sorted(statuses.items()))
+        print(f"{kind:<14}{a:>12.1f}{w:>12.1f}{w / a:>7.2f}{ms(alone_lat, 0.99):>11.1f}"
+              f"{ms(with_lat, 0.5):>10.1f}{ms(with_lat, 0.99):>10.1f}  {answers}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--prefix-sharing", choices=["auto", "off"], default="auto")
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    args = parser.parse_args()
+    sim_port, proxy_port = free_port(), free_port()
+    sim_url = f"http://127.0.0.1:{sim_port}"
+    proxy_url = f"http://127.0.0.1:{proxy_port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "kvgate.toml"
+        config.write_text(tomli_w.dumps({
+            "server": {"listen": f"127.0.0.1:{proxy_port}"},
+            "queue": {"max_depth": 1024},
+            "models": [{"name": "qwen3-14b", "path": str(MODEL_DIR), "max_model_len": 8192,
+                        "deployment": {"kv_tokens": 1_000_000},
+                        "prefix_sharing": args.prefix_sharing,
+                        "backends": [{"name": "sim", "url": sim_url}]}],
+        }))
+        with process(["sim", "--port", str(sim_port), "--kv-tokens", "1000000",
+                      "--model", "qwen3-14b", "--model-dir", str(MODEL_DIR),
+                      "--output-len", "max", "--decode-step-ms", "1",
+                      "--max-model-len", "8192"], sim_port, Path(tmp) / "sim.log"), \
+                process(["serve", "--config", str(config)], proxy_port,
+                        Path(tmp) / "kvgate.log"):
+            asyncio.run(compare(proxy_url, args))
+
+
+if __name__ == "__main__":
+    main()
