@@ -29,14 +29,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.suite.cluster import GateSettings, SimParams, StartFailed, Target, cluster
+from benchmarks.suite.cluster import (
+    AffinityRing,
+    GateSettings,
+    SimParams,
+    StartFailed,
+    Target,
+    cluster,
+)
 from benchmarks.suite.loadgen import Run, run_closed_loop, run_open_loop
-from benchmarks.suite.report import Summary, by_class, class_table, ms, pct, plot, summarize, table
+from benchmarks.suite.report import (
+    Summary,
+    acceptance,
+    by_class,
+    class_table,
+    ms,
+    pct,
+    plot,
+    prefix_summary,
+    prefix_table,
+    summarize,
+    table,
+)
 from benchmarks.suite.workloads import (
     Behaviour,
     PromptBuilder,
     RequestSpec,
+    TraceRow,
     burst,
+    group_prompts,
     hol_mix,
     load_azure,
     replay,
@@ -50,23 +71,48 @@ DEADLINE_S = 3.0
 DEFAULT_STARVATION_S = 5.0  # kvgate's default: above the deadline, so pure backfill
 HOL_STARVATION_S = 1.0  # below the deadline: a long waiter does reach the head's protection
 MAX_PROMPT, MAX_OUTPUT = 6000, 1000
-SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "overhead")
+SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "G", "Gz", "overhead")
+CLASSIC_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.STRICT, Target.ADAPTIVE)
+PREFIX_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.AFFINITY_TIMEOUT,
+                  Target.ADAPTIVE_PREFIX_OFF, Target.ADAPTIVE)
+PREFIX_BACKENDS = 4
+GROUPS, SYSTEM_TOKENS, QUESTION_TOKENS = 8, 2048, 256
+ZIPF_S = 1.2  # Gz: the hot group takes 43% of the requests, the coldest 3.5%
 
 
-def rate_for(load: float, specs: list[RequestSpec], params: SimParams) -> float:
+def rate_for(load: float, specs: list[RequestSpec], params: SimParams,
+             backends: int = 2) -> float:
     """Arrival rate at which offered resident tokens are `load` x the KV capacity.
 
     Little's law: resident = rate x service time x tokens per request. Service time is
     the output length times the step time at the concurrency the pool allows. Recorded
     lengths are used whatever the client behaviour: the load is what the requests really
-    use, not what they announce.
+    use, not what they announce. Every prompt token counts, shared or not: for the
+    shared-prefix scenarios this is the footprint of a prefix-blind pool.
     """
-    capacity = 2 * params.kv_tokens
+    capacity = backends * params.kv_tokens
     per_request = statistics.mean(s.prompt_tokens + s.output_tokens for s in specs)
-    running_per_backend = capacity / 2 / per_request
+    running_per_backend = params.kv_tokens / per_request
     service_s = statistics.mean(s.output_tokens for s in specs) * params.step_s(
         running_per_backend)
     return load * capacity / (per_request * service_s)
+
+
+def rate_for_shared(load: float, specs: list[RequestSpec], params: SimParams,
+                    backends: int, groups: int) -> float:
+    """`rate_for` on the footprint of a pool that holds each group's system prompt once:
+    `groups / backends` prompts resident per backend, and per request only what follows
+    the system prompt (its question, the template, its output). The ceiling of a perfect
+    prefix-aware placement on a uniform group mix."""
+    system = statistics.mean(s.system_tokens for s in specs)
+    room = params.kv_tokens - groups / backends * system
+    if room <= 0:
+        raise ValueError("the groups' system prompts alone fill the pool")
+    per_request = statistics.mean(s.prompt_tokens - s.system_tokens + s.output_tokens
+                                  for s in specs)
+    service_s = statistics.mean(s.output_tokens for s in specs) * params.step_s(
+        room / per_request)
+    return load * backends * room / (per_request * service_s)
 
 
 def rescale(specs: list[RequestSpec], factor: float) -> list[RequestSpec]:
@@ -80,6 +126,9 @@ class Scenario:
     specs: list[RequestSpec]
     orderings: tuple[str, ...] = ("fifo",)
     starvation_s: float = DEFAULT_STARVATION_S
+    params: SimParams | None = None  # None: the suite's (prefix caching off)
+    backends: int = 2
+    targets: tuple[Target, ...] = CLASSIC_TARGETS  # when --targets is not given
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,29 +143,35 @@ class Limits:
 
 async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
                      params: SimParams, target: Target, behaviour: Behaviour,
-                     ordering: str, label: str, limits: Limits, starvation_s: float) -> Run:
+                     ordering: str, label: str, limits: Limits, starvation_s: float,
+                     backends: int = 2) -> Run:
     """One run on fresh processes; raises StartFailed when the cluster does not come up."""
     gate = None
     if target.proxy:
         gate = GateSettings(deadline_s=DEADLINE_S, ordering=ordering, starvation_s=starvation_s,
-                            output_policy="fill",
-                            reservation=("adaptive" if target is Target.ADAPTIVE
-                                         else "strict"))
-    with cluster(params, gate=gate) as c:
+                            output_policy="fill", reservation=target.reservation,
+                            prefix_sharing=target.prefix_sharing)
+    route = None
+    if target is Target.AFFINITY_TIMEOUT:
+        route = AffinityRing(backends).backend
+    with cluster(params, gate=gate, backends=backends) as c:
         run = await run_open_loop(
             c.targets, specs, builder, hard_stop_s=limits.hard_stop_s,
             deadline_s=DEADLINE_S if target.proxy else None,
-            give_up_s=DEADLINE_S if target is Target.DIRECT_TIMEOUT else None,
+            give_up_s=DEADLINE_S if target.gives_up else None, route=route,
             behaviour=behaviour, label=f"{key} {behaviour}: {label}", sampler=c.sample)
         run.samples = c.samples
-        run.preemptions = await c.preemptions()
+        run.totals = await c.engine_totals()
+        run.preemptions = int(run.totals["preemptions"])
     run.label = label
     return run
 
 
 def plan_scenarios(duration_s: float, params: SimParams,
                    wanted: set[str], s4_orderings: tuple[str, ...],
-                   starvation_s: float | None = None) -> tuple[list[Scenario], str]:
+                   starvation_s: float | None = None,
+                   group_overhead: int = 13,
+                   prefix_calibration: str = "shared") -> tuple[list[Scenario], str]:
     conv = load_azure("azure_llm_2023_conv_slice.csv")
     lengths = replay(conv, rate_per_s=1.0, duration_s=10**6, max_prompt=MAX_PROMPT,
                      max_output=MAX_OUTPUT)
@@ -152,6 +207,11 @@ def plan_scenarios(duration_s: float, params: SimParams,
         out.append(Scenario(
             "S4", "Mixed short and very long requests (1.5x), head-of-line blocking", hol,
             s4_orderings, HOL_STARVATION_S))
+    prefix_header = ""
+    if wanted & {"G", "Gz"}:
+        shared, prefix_header = _group_scenarios(conv, duration_s, params, wanted,
+                                                 group_overhead, prefix_calibration)
+        out += shared
     if starvation_s is not None:
         out = [replace(s, starvation_s=starvation_s) for s in out]
     header = (
@@ -166,6 +226,92 @@ def plan_scenarios(duration_s: float, params: SimParams,
         "256, output_policy `fill`, starvation_s per scenario; `direct+timeout` clients "
         f"give up after {DEADLINE_S} s without a first token. Each run stops at the arrival "
         "window + drain; `cut_at_benchmark_end` counts requests still open then.")
+    return out, header + prefix_header
+
+
+def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,
+                     wanted: set[str], overhead: int,
+                     calibration: str = "shared") -> tuple[list[Scenario], str]:
+    """G and Gz: 8 groups sharing a system prompt each, 4 backends with prefix caching.
+
+    2x is calibrated with Little's law (`calibration`):
+
+    * "shared" (the default): on a pool that holds each group's system prompt once,
+      2 per backend, and per request only its question, template and output
+      (`rate_for_shared`): the ceiling of the best prefix-aware placement. 2x then
+      overloads every target, the prefix-aware one included, so its KV use at
+      saturation and its preemptions are measured under pressure, as in S2.
+    * "unshared": on every request's whole prompt + output (`rate_for`, as S1-S4): 2x
+      for a prefix-blind pool, but only about 0.55x of the prefix-aware ceiling, which
+      then never saturates.
+
+    One copy of each group's prompt per backend is degenerate at this scale: 8 x 2,048
+    tokens fill a whole 16,384-token backend before any question.
+    """
+    sim = replace(params, prefix_caching=True)
+    outputs = [max(1, min(r.output_tokens, MAX_OUTPUT)) for r in conv]
+
+    def make(zipf_s: float, seed: int) -> list[RequestSpec]:
+        def at(rate: float, span: float) -> list[RequestSpec]:
+            return group_prompts(rate_per_s=rate, duration_s=span, seed=seed, outputs=outputs,
+                                 prompt_overhead=overhead, groups=GROUPS,
+                                 system_tokens=SYSTEM_TOKENS, question_tokens=QUESTION_TOKENS,
+                                 zipf_s=zipf_s)
+        # calibrate on a long draw of the same workload, then draw the window at 2x
+        long = at(1.0, 2000.0)
+        one_x = (rate_for(1.0, long, sim, PREFIX_BACKENDS) if calibration == "unshared"
+                 else rate_for_shared(1.0, long, sim, PREFIX_BACKENDS, GROUPS))
+        return at(2.0 * one_x, duration_s)
+
+    out = []
+    rates = []
+    for key, zipf_s, seed, title in (
+            ("G", 0.0, 21, "8 groups sharing a system prompt, uniform popularity, 2x"),
+            ("Gz", ZIPF_S, 22, f"8 groups sharing a system prompt, Zipf s={ZIPF_S} "
+                               "popularity (one hot group), 2x")):
+        if key not in wanted:
+            continue
+        specs = make(zipf_s, seed)
+        rates.append(f"{key} {len(specs) / duration_s:.2f} req/s offered")
+        out.append(Scenario(key, title, specs, params=sim, backends=PREFIX_BACKENDS,
+                            targets=PREFIX_TARGETS))
+    prompt = SYSTEM_TOKENS + QUESTION_TOKENS + overhead
+    mean_out = statistics.mean(outputs)
+    blind = params.kv_tokens / (prompt + mean_out)
+    aware = (params.kv_tokens - GROUPS // PREFIX_BACKENDS * SYSTEM_TOKENS) / (
+        QUESTION_TOKENS + overhead + mean_out)
+    load_blind = 2.0 if calibration == "unshared" else 2.0 * aware / blind
+    load_aware = 2.0 if calibration == "shared" else 2.0 * blind / aware
+    header = (
+        f"\n\nShared-prefix scenarios (G, Gz): {PREFIX_BACKENDS} simulated backends x "
+        f"{params.kv_tokens:,} KV tokens with vLLM v1 prefix caching ON (the Azure "
+        f"scenarios keep it off); {GROUPS} groups, each a {SYSTEM_TOKENS:,}-token system "
+        "prompt (distinct text per group, byte-identical within a group) and a "
+        f"{QUESTION_TOKENS}-token question of its own ({prompt:,} tokens after the "
+        f"template); output lengths drawn from the Azure conversation slice's recorded "
+        f"outputs (clipped to {MAX_OUTPUT}, mean {mean_out:.0f}); Poisson arrivals. "
+        + (f"2x is calibrated with Little's law on the shared footprint: a pool that "
+           f"holds each group's system prompt once ({GROUPS // PREFIX_BACKENDS} per "
+           "backend) and per request only its question, template and output, the ceiling "
+           "of the best prefix-aware placement; 2x overloads every target, the "
+           "prefix-aware one included, so that its KV use at saturation and preemptions "
+           "are measured under pressure. "
+           if calibration == "shared" else
+           "2x is calibrated with Little's law on the unshared footprint (whole prompt + "
+           "output per request, as in S1-S4): 2x for a prefix-blind pool. ")
+        + f"({'; '.join(rates)}). At the mean lengths a backend holds {blind:.1f} requests "
+        f"unshared, {aware:.1f} with {GROUPS // PREFIX_BACKENDS} groups' prompts held once "
+        f"there: the offered load is {load_blind:.1f}x of a prefix-blind pool's capacity "
+        f"and {load_aware:.2f}x of the prefix-aware ceiling. Calibrating on one copy of each "
+        f"group's prompt per backend is degenerate here ({GROUPS} x {SYSTEM_TOKENS:,} "
+        f"tokens fill a {params.kv_tokens:,}-token backend). `affinity+timeout`: clients "
+        "hash the first 2,048 characters of the messages (role and content; here the "
+        "system prompt's opening) onto a consistent-hash ring of the backends (64 "
+        "points each, BLAKE2b), and give up at 3 s without a first token like "
+        "`direct+timeout`. `kvgate adaptive` is `prefix_sharing = \"auto\"` (shared "
+        "blocks charged once, placement follows the prefix); `kvgate adaptive-prefix-off` "
+        "is `prefix_sharing = \"off\"` (every prompt charged in full, prefix-blind "
+        "placement; the engines still cache prefixes).")
     return out, header
 
 
@@ -216,7 +362,11 @@ def _long_requests(runs: list[Run]) -> str:
 
 async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilder,
                             params: SimParams, behaviours: Sequence[Behaviour],
-                            targets: Sequence[Target], limits: Limits) -> list[str]:
+                            targets: Sequence[Target] | None, limits: Limits) -> list[str]:
+    """`targets` None: the scenario's own set."""
+    params = scenario.params or params
+    targets = scenario.targets if targets is None else targets
+    prefix = scenario.key in ("G", "Gz")
     sections = [f"## {scenario.key}: {scenario.title}\n\n{len(scenario.specs)} requests "
                 f"arriving over {limits.duration_s:.0f} s; hard stop at "
                 f"{limits.hard_stop_s:.0f} s. kvgate ordering: "
@@ -236,7 +386,7 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
             try:
                 runs.append(await run_target(scenario.key, scenario.specs, builder, params,
                                              target, behaviour, ordering, label, limits,
-                                             scenario.starvation_s))
+                                             scenario.starvation_s, scenario.backends))
             except StartFailed as exc:
                 failed.append(f"{label}: {exc}")
             if label not in labels:
@@ -251,6 +401,11 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
                  image)
         part = (f"### {scenario.key}, client behaviour `{behaviour}`\n\n{table(summaries)}"
                 f"\n\n{_notes(summaries, failed)}")
+        if prefix and runs:
+            prefixed = [prefix_summary(r, slo_ttft_s=SLO_TTFT_S, window_s=limits.duration_s)
+                        for r in runs]
+            part += ("\n\nShared prefixes:\n\n" + prefix_table(prefixed) + "\n\n"
+                     + acceptance(scenario.key, prefixed))
         if scenario.key == "S4" and runs:
             part += ("\n\nPer class:\n\n" + class_table(runs) + "\n\n" + _long_requests(runs))
         if runs:
@@ -388,10 +543,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                        "unknown behaviour")],
         help="what clients send as max_tokens: recorded, cap-2048, none (default: all)")
     parser.add_argument(
-        "--targets", default=",".join(t.value for t in Target),
+        "--targets",
         type=lambda v: [Target(t) for t in _choices(v, [t.value for t in Target],
                                                     "unknown target")],
-        help="direct, direct+timeout, strict, adaptive (default: all)")
+        default=None,
+        help="direct, direct+timeout, strict, adaptive, affinity+timeout, adaptive-prefix-off "
+             "(default: each scenario's own: S1-S4 the first four; G, Gz direct, "
+             "direct+timeout, affinity+timeout, adaptive-prefix-off, adaptive)")
     parser.add_argument("--s4-orderings", default="fifo",
                         type=lambda v: tuple(_choices(v, ["fifo", "shortest-first", "priority"],
                                                       "unknown ordering")),
@@ -404,6 +562,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain", type=float, default=None,
                         help="seconds after the window before the hard stop (default 15; "
                              "--quick 6)")
+    parser.add_argument("--prefix-calibration", choices=("unshared", "shared"),
+                        default="shared",
+                        help="what 2x means in G, Gz: Little's law on a pool holding each "
+                             "group's system prompt once (shared, default) or on the whole "
+                             "prompt per request (unshared)")
     parser.add_argument("--quick", action="store_true",
                         help="short windows for development: numbers are noisier")
     parser.add_argument("--overhead-scale", type=float, default=1.0)
@@ -423,7 +586,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     params = SimParams()
     builder = PromptBuilder(load_counter(ROOT / "models" / "qwen3-14b"))
     scenarios, header = plan_scenarios(duration, params, wanted, args.s4_orderings,
-                                       args.starvation_s)
+                                       args.starvation_s, builder.group_overhead,
+                                       args.prefix_calibration)
     sections = [header]
     for scenario in scenarios:
         sections += asyncio.run(scenario_sections(out, scenario, builder, params,

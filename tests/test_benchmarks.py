@@ -15,14 +15,23 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from benchmarks.run import _foreknowledge_bound, parse_args, rate_for
-from benchmarks.suite.cluster import GateSettings, SimParams, kvgate_config, to_toml
+from benchmarks.run import _foreknowledge_bound, parse_args, rate_for, rate_for_shared
+from benchmarks.suite.cluster import (
+    AFFINITY_CHARS,
+    AffinityRing,
+    GateSettings,
+    SimParams,
+    Target,
+    kvgate_config,
+    to_toml,
+)
 from benchmarks.suite.loadgen import ABANDONED, Result, Run, Sample, run_open_loop
 from benchmarks.suite.report import summarize
 from benchmarks.suite.workloads import (
     Behaviour,
     PromptBuilder,
     RequestSpec,
+    group_prompts,
     hol_mix,
     load_azure,
     replay,
@@ -74,6 +83,77 @@ def test_synthetic_and_hol_mixes_are_seeded_and_bounded() -> None:
     assert max(s.prompt_tokens for s in a) <= 6000
     hol = hol_mix(rate_per_s=5, duration_s=40, seed=2)
     assert {s.kind for s in hol} == {"short", "long"}
+
+
+def test_group_prompts_share_exactly_the_system_prompt() -> None:
+    """G / Gz: one system prompt per group, byte-identical within it and distinct
+    across; a question of each request's own; every prompt exactly its token count;
+    the Zipf variant has one hot group."""
+    counter = load_counter(QWEN)
+    builder = PromptBuilder(counter)
+    kw = {"rate_per_s": 20.0, "duration_s": 30.0, "outputs": [10, 200, 900],
+          "prompt_overhead": builder.group_overhead}
+    uniform = group_prompts(seed=1, **kw)  # type: ignore[arg-type]
+    skewed = group_prompts(seed=1, zipf_s=1.2, **kw)  # type: ignore[arg-type]
+    assert uniform == group_prompts(seed=1, **kw)  # type: ignore[arg-type]  # seeded
+    assert {s.output_tokens for s in uniform} <= {10, 200, 900}
+    systems: dict[int, set[str]] = {}
+    questions = set()
+    for spec in uniform[:80]:
+        body = builder.body(spec, behaviour=Behaviour.NONE)
+        system, user = body["messages"]
+        assert system["role"] == "system" and user["role"] == "user"
+        systems.setdefault(spec.group, set()).add(system["content"])
+        questions.add(user["content"])
+        assert counter.count_chat(ChatRequest(messages=body["messages"])) == spec.prompt_tokens
+        assert spec.prompt_tokens == 2048 + 256 + builder.group_overhead
+        assert len(counter.prompt_token_ids(system["content"])) == 2048
+        assert len(counter.prompt_token_ids(user["content"])) == 256
+    assert len(systems) == 8 and all(len(texts) == 1 for texts in systems.values())
+    texts = [next(iter(t)) for t in systems.values()]
+    assert len({t[:200] for t in texts}) == 8  # distinct from their first words
+    assert len(questions) == 80
+    share = [sum(s.group == g for s in skewed) / len(skewed) for g in range(8)]
+    assert share[0] > 0.35 and max(share[1:]) < 0.25  # one hot group
+    flat = [sum(s.group == g for s in uniform) / len(uniform) for g in range(8)]
+    assert max(flat) < 0.2
+
+
+def test_affinity_ring_hashes_the_leading_text_consistently() -> None:
+    ring = AffinityRing(4)
+
+    def body(system: str, question: str) -> dict[str, Any]:
+        return {"messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": question}]}
+
+    long_a, long_b = "a" * 3000, "b" * 3000
+    # equal leading 2,048 characters: the same backend, whatever follows
+    assert ring.backend(body(long_a, "one")) == ring.backend(body(long_a, "two"))
+    assert AffinityRing.key(body(long_a, "one")) == ("system\n" + long_a)[:AFFINITY_CHARS]
+    # short prompts: the key reaches into the question
+    assert AffinityRing.key(body("s", "q")) == "system\ns\nuser\nq\n"
+    # every backend owns some keys, and a second ring maps the same
+    picks = [ring.backend(body(f"group {i} " + long_b, "q")) for i in range(400)]
+    assert set(picks) == {0, 1, 2, 3}
+    assert picks == [AffinityRing(4).backend(body(f"group {i} " + long_b, "q"))
+                     for i in range(400)]
+    # consistent: adding a fifth backend moves only the keys the new one takes
+    five = [AffinityRing(5).backend(body(f"group {i} " + long_b, "q")) for i in range(400)]
+    assert all(f in (p, 4) for p, f in zip(picks, five, strict=True))
+    assert Target.AFFINITY_TIMEOUT.gives_up and not Target.AFFINITY_TIMEOUT.proxy
+    assert Target.ADAPTIVE_PREFIX_OFF.prefix_sharing == "off"
+    assert Target.ADAPTIVE.prefix_sharing == "auto"
+
+
+def test_shared_calibration_counts_each_group_prompt_once() -> None:
+    params = SimParams()
+    specs = [RequestSpec(arrival_s=0, prompt_tokens=2317, output_tokens=259, group=0,
+                         system_tokens=2048)] * 4
+    # unshared: 2,576 tokens a request; shared: 16,384 - 2 x 2,048 room per backend,
+    # 528 tokens a request
+    assert rate_for_shared(1.0, specs, params, 4, 8) > 3 * rate_for(1.0, specs, params, 4)
+    with pytest.raises(ValueError):
+        rate_for_shared(1.0, specs, params, 1, 8)
 
 
 def test_client_behaviours_on_the_wire() -> None:
@@ -223,6 +303,11 @@ def test_kvgate_config_variants_and_toml(tmp_path: Path) -> None:
     assert (model.max_model_len, model.output.name, model.capacity_tokens) == (
         8192, "fill", 16384)
     assert (parsed.queue.starvation_s, parsed.queue.default_deadline_s) == (1.0, 3.0)
+    blind = kvgate_config(SimParams(), GateSettings(reservation="adaptive",
+                                                    prefix_sharing="off"), port=9, sims=sims)
+    assert strict["models"][0]["prefix_sharing"] == "auto"
+    assert parse_config(tomllib.loads(to_toml(blind)), base=tmp_path).models[0] \
+        .prefix_sharing.value == "off"
 
 
 def test_cli_rejects_unknown_choices() -> None:

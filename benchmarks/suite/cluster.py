@@ -2,13 +2,16 @@
 separate processes.
 
 A target is how the clients reach the backends: straight (round-robin), straight with
-a client-side give-up at kvgate's queue deadline, or through kvgate with one of its
-reservation modes. kvgate's configuration is built as a dict and written as TOML, so
+a client-side give-up at kvgate's queue deadline, by consistent hashing of the prompt's
+leading text with that give-up (`affinity+timeout`), or through kvgate with one of its
+reservation modes (and, for adaptive, with shared prefixes charged once or not).
+kvgate's configuration is built as a dict and written as TOML, so
 a variant (e.g. `reservation = "adaptive"`) is one key in that dict.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import re
 import socket
@@ -18,6 +21,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from hashlib import blake2b
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +40,28 @@ class Target(StrEnum):
     DIRECT = "direct"  # clients straight to the backends, round-robin; they wait forever
     DIRECT_TIMEOUT = "direct+timeout"  # ...and give up at kvgate's deadline (to 1st token)
     STRICT = "strict"  # through kvgate, reservation = prompt + max_tokens
-    ADAPTIVE = "adaptive"  # through kvgate, reservation = "adaptive"
+    ADAPTIVE = "adaptive"  # through kvgate, reservation = "adaptive" (prefix_sharing auto)
+    # clients hash the prompt's first AFFINITY_CHARS characters onto a ring of the
+    # backends (AffinityRing) and give up at the deadline like direct+timeout
+    AFFINITY_TIMEOUT = "affinity+timeout"
+    ADAPTIVE_PREFIX_OFF = "adaptive-prefix-off"  # adaptive, prefix_sharing = "off"
 
     @property
     def proxy(self) -> bool:
-        return self in (Target.STRICT, Target.ADAPTIVE)
+        return self in (Target.STRICT, Target.ADAPTIVE, Target.ADAPTIVE_PREFIX_OFF)
+
+    @property
+    def gives_up(self) -> bool:
+        """The client abandons a request without a first token at the deadline."""
+        return self in (Target.DIRECT_TIMEOUT, Target.AFFINITY_TIMEOUT)
+
+    @property
+    def reservation(self) -> str:
+        return "strict" if self is Target.STRICT else "adaptive"
+
+    @property
+    def prefix_sharing(self) -> str:
+        return "off" if self is Target.ADAPTIVE_PREFIX_OFF else "auto"
 
     @property
     def label(self) -> str:
@@ -72,6 +93,7 @@ class GateSettings:
     starvation_s: float = 5.0  # kvgate's default
     output_policy: str = "fill"
     reservation: str = "strict"  # always written: the default mode is no benchmark's business
+    prefix_sharing: str = "auto"  # kvgate's default; "off" charges every prompt in full
     ledger_url: str | None = None
 
 
@@ -95,6 +117,7 @@ def kvgate_config(params: SimParams, gate: GateSettings, *, port: int,
         "output_policy": gate.output_policy,
     }
     model["reservation"] = gate.reservation
+    model["prefix_sharing"] = gate.prefix_sharing
     model["deployment"] = {"kv_tokens": params.kv_tokens, "block_size": 16}
     model["backends"] = [{"name": f"sim-{i}", "url": u} for i, u in enumerate(sims)]
     config: dict[str, Any] = {
@@ -108,11 +131,49 @@ def kvgate_config(params: SimParams, gate: GateSettings, *, port: int,
     return config
 
 
+AFFINITY_CHARS = 2048
+AFFINITY_VNODES = 64
+
+
+class AffinityRing:
+    """The `affinity+timeout` router: consistent hashing of a prompt's leading text.
+
+    The key is the first `AFFINITY_CHARS` characters of the request's message contents
+    joined in order (role, a newline, the content, a newline; for a shared system prompt
+    of any real length, that is its opening text). It is hashed (BLAKE2b, 64 bits) onto
+    a ring on which each backend, named by its position (`sim-0`, `sim-1`, ...), holds
+    `AFFINITY_VNODES` points; the request goes to the first point clockwise. Equal
+    leading text always reaches the same backend, whatever the load there: the
+    strongest simple prefix router without a gate (no load signal, no admission).
+    """
+
+    def __init__(self, backends: int, vnodes: int = AFFINITY_VNODES) -> None:
+        points = sorted((_hash64(f"sim-{b}#{v}"), b) for b in range(backends)
+                        for v in range(vnodes))
+        self._keys = [p for p, _ in points]
+        self._owners = [b for _, b in points]
+
+    @staticmethod
+    def key(body: Mapping[str, Any]) -> str:
+        text = "".join(f"{m.get('role', '')}\n{m.get('content', '')}\n"
+                       for m in body.get("messages", ()))
+        return text[:AFFINITY_CHARS]
+
+    def backend(self, body: Mapping[str, Any]) -> int:
+        i = bisect.bisect_right(self._keys, _hash64(self.key(body)))
+        return self._owners[i % len(self._owners)]
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
 def to_toml(data: Mapping[str, Any]) -> str:
     """kvgate's config as TOML, by a TOML writer."""
     return tomli_w.dumps(data)
 
 
+_SHARED = re.compile(r"^kvgate_shared_prefix_tokens_total\{[^}]*\} (\S+)$", re.MULTILINE)
 _METRIC = re.compile(r"^(vllm:[a-z_]+)\{[^}]*\} (\S+)$", re.MULTILINE)
 
 
@@ -132,16 +193,36 @@ class Cluster:
     def targets(self) -> list[str]:
         return [self.proxy] if self.proxy else self.sims
 
+    async def engine_totals(self) -> dict[str, float]:
+        """The engines' counters at the end, summed: preemptions, prefix-cache hit and
+        query tokens; and kvgate's shared-prefix tokens when it is in front."""
+        totals = {"preemptions": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0}
+        async with aiohttp.ClientSession() as s:
+            for url in self.sims:
+                async with s.get(f"{url}/metrics") as resp:
+                    m = parse_vllm_metrics(await resp.text())
+                totals["preemptions"] += m["vllm:num_preemptions_total"]
+                totals["prefix_hits"] += m.get("vllm:prefix_cache_hits_total", 0.0)
+                totals["prefix_queries"] += m.get("vllm:prefix_cache_queries_total", 0.0)
+            if self.proxy:
+                async with s.get(f"{self.proxy}/metrics") as resp:
+                    text = await resp.text()
+                totals["kvgate_shared"] = sum(
+                    float(v) for v in _SHARED.findall(text))
+        return totals
+
     async def sample(self, t: float) -> None:
         """One point: the engines' own KV use, queues and preemptions; kvgate's view."""
         timeout = aiohttp.ClientTimeout(total=1.0)
         async with aiohttp.ClientSession(timeout=timeout) as s:
             usage = 0.0
+            per_backend = []
             running = waiting = preemptions = 0
             for url in self.sims:
                 async with s.get(f"{url}/metrics") as resp:
                     m = parse_vllm_metrics(await resp.text())
                 usage += m["vllm:kv_cache_usage_perc"]
+                per_backend.append(m["vllm:kv_cache_usage_perc"])
                 running += int(m["vllm:num_requests_running"])
                 waiting += int(m["vllm:num_requests_waiting"])
                 preemptions += int(m["vllm:num_preemptions_total"])
@@ -155,7 +236,7 @@ class Cluster:
         self.samples.append(Sample(
             t=t, kv_use=kv_use, resident=round(kv_use * self.capacity), reserved=reserved,
             capacity=self.capacity, queued=queued, engine_waiting=waiting, running=running,
-            preemptions=preemptions))
+            preemptions=preemptions, kv_per_backend=tuple(per_backend)))
 
     async def preemptions(self) -> int:
         async with aiohttp.ClientSession() as s:

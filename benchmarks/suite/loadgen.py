@@ -39,6 +39,7 @@ class Result:
     latency_s: float | None = None
     tokens_out: int = 0
     deadline_s: float | None = None
+    backend: int = -1  # the target index it was sent to (a backend when direct)
 
     @property
     def ok(self) -> bool:
@@ -56,6 +57,7 @@ class Sample:
     engine_waiting: int  # vllm:num_requests_waiting, summed over backends
     running: int  # vllm:num_requests_running, summed
     preemptions: int  # vllm:num_preemptions_total, summed (cumulative)
+    kv_per_backend: tuple[float, ...] = ()  # each engine's vllm:kv_cache_usage_perc
 
     @property
     def saturated(self) -> bool:
@@ -70,6 +72,8 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     preemptions: int = 0
     duration_s: float = 0.0
+    # the engines' (and kvgate's) counters at the end: Cluster.engine_totals
+    totals: dict[str, float] = field(default_factory=dict)
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
@@ -128,9 +132,10 @@ async def run_open_loop(
     targets: Sequence[str], specs: Sequence[RequestSpec], builder: PromptBuilder, *,
     hard_stop_s: float, behaviour: Behaviour, deadline_s: float | None = None,
     label: str = "", sampler: Callable[[float], Any] | None = None,
-    give_up_s: float | None = None,
+    give_up_s: float | None = None, route: Callable[[dict[str, Any]], int] | None = None,
 ) -> Run:
-    """Send each spec at its arrival time, round-robin over `targets`.
+    """Send each spec at its arrival time, round-robin over `targets`, or to
+    `targets[route(body)]` when `route` is given.
 
     `behaviour` is what the client sends as `max_tokens`; it has no default because
     `recorded` tells kvgate what no real client knows.
@@ -140,6 +145,8 @@ async def run_open_loop(
     """
     results = [Result(spec=s, deadline_s=deadline_s) for s in specs]
     bodies = [builder.body(s, behaviour=behaviour) for s in specs]
+    picks = ([route(b) for b in bodies] if route is not None
+             else [i % len(targets) for i in range(len(specs))])
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=hard_stop_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -150,8 +157,9 @@ async def run_open_loop(
             spec = specs[i]
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
             headers = {"x-kvgate-priority": spec.priority} if spec.priority else {}
+            results[i].backend = picks[i]
             try:
-                await _one(session, targets[i % len(targets)], bodies[i], headers,
+                await _one(session, targets[picks[i]], bodies[i], headers,
                            results[i], t0, give_up_s)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 results[i].code = f"client_error:{type(exc).__name__}"

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.suite.loadgen import Result, Run
+from benchmarks.suite.loadgen import Result, Run, Sample
 
 INF = math.inf
 
@@ -200,3 +200,136 @@ def plot(runs: list[Run], title: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+IDLE_KV = 0.30  # a backend below this KV use is idle, for the Gz check
+TURNED_AWAY = "cut_at_benchmark_end"  # not a rejection: still open at the hard stop
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSummary:
+    """The shared-prefix scenarios' figures for one run."""
+
+    label: str
+    offered: int
+    admitted: int  # answered 200 (the engine, or kvgate, took the request)
+    completed: int
+    goodput_per_s: float
+    ttft_p50: float | None  # completed
+    ttft_p99: float | None  # completed
+    hit_tokens: float  # vllm:prefix_cache_hits_total, summed over the engines
+    query_tokens: float  # vllm:prefix_cache_queries_total, summed
+    kvgate_shared: float | None  # kvgate_shared_prefix_tokens_total, summed; None direct
+    kv_saturated: float | None
+    saturated_share: float
+    kv_saturated_per_backend: tuple[float, ...]
+    preemptions: int
+    rejections: dict[str, int]  # every reason a request did not complete
+    rejected_while_idle: int  # turned away while another backend was below IDLE_KV
+    turned_away: int  # rejections less those cut at the hard stop
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else None
+
+    @property
+    def preempted_share(self) -> float:
+        return self.preemptions / max(1, self.admitted)
+
+
+def _nearest(samples: list[Sample], t: float) -> Sample | None:
+    return min(samples, key=lambda s: abs(s.t - t)) if samples else None
+
+
+def prefix_summary(run: Run, *, slo_ttft_s: float, window_s: float) -> PrefixSummary:
+    """Goodput, TTFT, the engines' prefix hits, KV use at saturation (whole pool and per
+    backend), preemptions, rejections; and how many requests were turned away (a kvgate
+    error, or a client giving up) while some other backend's engine was below 30% KV use,
+    at the sample nearest to the moment it was turned away."""
+    done = [r for r in run.results if completed(r)]
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    codes = Counter(r.code or f"http_{r.status}" for r in run.results if not completed(r))
+    saturated = [s for s in run.samples if s.saturated]
+    width = max((len(s.kv_per_backend) for s in run.samples), default=0)
+    per_backend = tuple(statistics.mean(s.kv_per_backend[b] for s in saturated)
+                        for b in range(width)) if saturated and width else ()
+    gated = "kvgate_shared" in run.totals
+    away = [r for r in run.results if not completed(r) and r.code != TURNED_AWAY]
+    idle = 0
+    for r in away:
+        sample = _nearest(run.samples, r.sent_s + (r.latency_s or 0.0))
+        if sample is None:
+            continue
+        others = [u for b, u in enumerate(sample.kv_per_backend) if gated or b != r.backend]
+        idle += any(u < IDLE_KV for u in others)
+    return PrefixSummary(
+        label=run.label, offered=len(run.results),
+        admitted=sum(1 for r in run.results if r.status == 200), completed=len(done),
+        goodput_per_s=sum(1 for t in ttft if t <= slo_ttft_s) / window_s,
+        ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99),
+        hit_tokens=run.totals.get("prefix_hits", 0.0),
+        query_tokens=run.totals.get("prefix_queries", 0.0),
+        kvgate_shared=run.totals.get("kvgate_shared"),
+        kv_saturated=statistics.mean(s.kv_use for s in saturated) if saturated else None,
+        saturated_share=len(saturated) / len(run.samples) if run.samples else 0.0,
+        kv_saturated_per_backend=per_backend, preemptions=run.preemptions,
+        rejections=dict(codes), rejected_while_idle=idle, turned_away=len(away))
+
+
+def prefix_table(summaries: list[PrefixSummary]) -> str:
+    lines = ["| target | completed / offered | goodput/s | TTFT p50 / p99 completed ms | "
+             "engine prefix hit rate (hit / query tokens) | kvgate shared-prefix tokens | "
+             "KV use saturated (share of time) | per backend, saturated | preemptions "
+             "(of admitted) | not completed (reason: n) | turned away while another "
+             "backend < 30% KV |", "|" + "---|" * 11]
+    for s in summaries:
+        rest = ", ".join(f"{k}: {v}" for k, v in sorted(s.rejections.items())) or "0"
+        rate = "-" if s.hit_rate is None else f"{s.hit_rate:.0%}"
+        lines.append(
+            f"| {s.label} | {s.completed} / {s.offered} | {s.goodput_per_s:.2f} | "
+            f"{ms(s.ttft_p50)} / {ms(s.ttft_p99)} | {rate} ({s.hit_tokens:,.0f} / "
+            f"{s.query_tokens:,.0f}) | "
+            f"{'-' if s.kvgate_shared is None else f'{s.kvgate_shared:,.0f}'} | "
+            f"{_share(s.kv_saturated)} ({s.saturated_share:.0%}) | "
+            f"{' / '.join(f'{u:.0%}' for u in s.kv_saturated_per_backend) or '-'} | "
+            f"{s.preemptions} ({s.preempted_share:.1%} of {s.admitted}) | {rest} | "
+            f"{s.rejected_while_idle} of {s.turned_away} |")
+    return "\n".join(lines)
+
+
+AWARE, BLIND = "kvgate adaptive", "kvgate adaptive-prefix-off"
+
+
+def acceptance(key: str, summaries: list[PrefixSummary]) -> str:
+    """The issue's targets for G and Gz, each stated as met or not, with its figures."""
+    by = {s.label: s for s in summaries}
+    aware = by.get(AWARE)
+    if aware is None:
+        return "Acceptance: not checked (no `kvgate adaptive` run)."
+    checks: list[tuple[str, bool, str]] = []
+
+    def ratio(other: str, need: float) -> None:
+        o = by.get(other)
+        if o is None:
+            return
+        r = aware.goodput_per_s / o.goodput_per_s if o.goodput_per_s else math.inf
+        checks.append((f"goodput >= {need:g}x `{other}`", r >= need,
+                       f"{aware.goodput_per_s:.2f} / {o.goodput_per_s:.2f} = {r:.2f}x"))
+
+    if key == "G":
+        ratio(BLIND, 2.0)
+        ratio("direct+timeout", 1.5)
+        ratio("affinity+timeout", 1.0)
+        kv = aware.kv_saturated
+        checks.append(("engine KV use at saturation >= 80%", kv is not None and kv >= 0.8,
+                       f"{_share(kv)} ({aware.saturated_share:.0%} of the time saturated)"))
+        checks.append(("preemptions <= 1% of admitted", aware.preempted_share <= 0.01,
+                       f"{aware.preemptions} of {aware.admitted}"))
+    else:
+        ratio("affinity+timeout", 1.2)
+        checks.append(("no backend idle (< 30% KV use) while another rejects",
+                       aware.rejected_while_idle == 0,
+                       f"{aware.rejected_while_idle} of {aware.turned_away} turned away "
+                       "while a backend was below 30%"))
+    lines = [f"- {'MET' if ok else 'NOT MET'}: {what}: {figures}" for what, ok, figures in checks]
+    return f"Acceptance ({key}, `kvgate adaptive` = prefix-aware):\n\n" + "\n".join(lines)

@@ -51,6 +51,12 @@ class RequestSpec:
     output_tokens: int  # recorded length: where the simulated model stops (EOS)
     kind: str = "normal"  # "short" / "long" in the head-of-line mix
     priority: str = ""
+    # Shared-prefix workloads (`group_prompts`): a system prompt of `system_tokens`
+    # content tokens, the same text for every request of `group`, then a question of
+    # its own (`uid`). Group -1: the one-word prompt of the other workloads.
+    group: int = -1
+    system_tokens: int = 0
+    uid: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,6 +144,60 @@ def hol_mix(*, rate_per_s: float, duration_s: float, seed: int) -> list[RequestS
     return out
 
 
+# Words that are one token each in Qwen3's vocabulary with a leading space, and stay
+# one pre-token each when joined by spaces: text of n such words is exactly n tokens
+# (checked when a body is built). Random sequences of them give distinct text that a
+# prefix cache shares only where it is byte-identical.
+WORDS = tuple("""the of and to in is that for it as with was on be by at this have from or an
+they which one you had not but all were when we there can been has more if will would so no
+what up out about who get them some could into time only other new than then its also two
+like over first these way may people any most after very made well where years make just
+know back good long much work such even because here see through before many our great
+three how own under down last between same want world day come take help year place house
+while home small large need every think state again part right both group end still fact
+point case number thing night water side hand head high line order eye life city""".split())
+
+
+def words_text(seed: str, n: int) -> str:
+    """n one-token words, each after a space, drawn from a generator seeded by `seed`."""
+    rng = random.Random(seed)
+    return "".join(" " + w for w in rng.choices(WORDS, k=n))
+
+
+def group_text(group: int, tokens: int) -> str:
+    """The system prompt of `group`: byte-identical within the group, distinct across."""
+    return words_text(f"system-prompt-{group}", tokens)
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    """Popularity of n groups, rank k (from 1) in proportion to 1 / k**s; s = 0 uniform."""
+    raw = [1.0 / (k ** s) for k in range(1, n + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def group_prompts(*, rate_per_s: float, duration_s: float, seed: int, outputs: list[int],
+                  prompt_overhead: int, groups: int = 8, system_tokens: int = 2048,
+                  question_tokens: int = 256, zipf_s: float = 0.0) -> list[RequestSpec]:
+    """Groups of users sharing a system prompt (llm-d's shape, scaled).
+
+    Poisson arrivals; each request's group drawn by `zipf_weights(groups, zipf_s)`, its
+    output length from `outputs` (a trace's recorded lengths). `prompt_tokens` is the
+    whole templated prompt: `system_tokens` + `question_tokens` + `prompt_overhead`, the
+    chat template's own tokens for a system and a user message
+    (`PromptBuilder.group_overhead`).
+    """
+    rng = random.Random(seed)
+    weights = zipf_weights(groups, zipf_s)
+    out = []
+    for i, t in enumerate(_poisson(rng, rate_per_s, duration_s)):
+        group = rng.choices(range(groups), weights=weights)[0]
+        out.append(RequestSpec(arrival_s=t, group=group, system_tokens=system_tokens, uid=i,
+                               prompt_tokens=system_tokens + question_tokens + prompt_overhead,
+                               output_tokens=max(1, rng.choice(outputs))))
+    return out
+
+
 class PromptBuilder:
     """Chat bodies whose prompt is exactly N tokens after the chat template."""
 
@@ -145,19 +205,19 @@ class PromptBuilder:
         self._counter = counter
         empty = ChatRequest(messages=[{"role": "user", "content": ""}])
         self._overhead = counter.count_chat(empty)
+        pair = ChatRequest(messages=[{"role": "system", "content": ""},
+                                     {"role": "user", "content": ""}])
+        self.group_overhead = counter.count_chat(pair)
         self._checked: set[int] = set()
 
     def body(self, spec: RequestSpec, *, behaviour: Behaviour,
              stream: bool = True) -> dict[str, Any]:
         """One request's body; `behaviour` (required: `recorded` hands kvgate the answer's
         length, which no real client knows) decides its `max_tokens`."""
-        n = max(spec.prompt_tokens, self._overhead + 1)
-        messages = [{"role": "user", "content": " the" * (n - self._overhead)}]
-        if n not in self._checked and len(self._checked) < 64:
-            counted = self._counter.count_chat(ChatRequest(messages=messages))
-            if counted != n:
-                raise AssertionError(f"prompt built for {n} tokens counts {counted}")
-            self._checked.add(n)
+        if spec.group >= 0:
+            messages = self.group_messages(spec)
+        else:
+            messages = self._one_word(spec.prompt_tokens)
         body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": stream,
                                 "sim_output_tokens": spec.output_tokens}
         max_tokens = behaviour.max_tokens(spec.output_tokens)
@@ -166,3 +226,26 @@ class PromptBuilder:
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
+
+    def group_messages(self, spec: RequestSpec) -> list[dict[str, str]]:
+        """The group's system prompt and a question of the request's own, exactly
+        `spec.prompt_tokens` after the template (every one checked: they differ)."""
+        question = spec.prompt_tokens - spec.system_tokens - self.group_overhead
+        if question < 1:
+            raise ValueError(f"prompt of {spec.prompt_tokens} tokens leaves no question")
+        messages = [{"role": "system", "content": group_text(spec.group, spec.system_tokens)},
+                    {"role": "user", "content": words_text(f"question-{spec.uid}", question)}]
+        counted = self._counter.count_chat(ChatRequest(messages=messages))
+        if counted != spec.prompt_tokens:
+            raise AssertionError(f"prompt built for {spec.prompt_tokens} tokens counts {counted}")
+        return messages
+
+    def _one_word(self, tokens: int) -> list[dict[str, str]]:
+        n = max(tokens, self._overhead + 1)
+        messages = [{"role": "user", "content": " the" * (n - self._overhead)}]
+        if n not in self._checked and len(self._checked) < 64:
+            counted = self._counter.count_chat(ChatRequest(messages=messages))
+            if counted != n:
+                raise AssertionError(f"prompt built for {n} tokens counts {counted}")
+            self._checked.add(n)
+        return messages
