@@ -22,9 +22,10 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
-__all__ = ["KEY_CHARS", "block_keys", "shareable_blocks"]
+__all__ = ["ID_BYTES", "KEY_CHARS", "block_keys", "block_keys_of_bytes", "shareable_blocks"]
 
 KEY_CHARS = 16
+ID_BYTES = array("I").itemsize  # a token id as `block_keys` hashes it: native uint32
 
 
 def shareable_blocks(prompt_tokens: int, block_tokens: int) -> int:
@@ -39,11 +40,25 @@ def block_keys(token_ids: Sequence[int], block_tokens: int, *, scope: str) -> li
     n = shareable_blocks(len(token_ids), block_tokens)
     if n == 0:
         return []
-    data = array("I", token_ids[:n * block_tokens]).tobytes()
-    step = block_tokens * 4
+    return _chain(array("I", token_ids[:n * block_tokens]).tobytes(), n, block_tokens, scope)
+
+
+def block_keys_of_bytes(data: bytes, block_tokens: int, *, scope: str) -> list[str]:
+    """`block_keys` of the ids `data` holds as `array("I")` bytes (`ID_BYTES` each):
+    what the count paths build their id streams as, from cached segments' bytes."""
+    return _chain(data, shareable_blocks(len(data) // ID_BYTES, block_tokens), block_tokens,
+                  scope)
+
+
+def _chain(data: bytes, n: int, block_tokens: int, scope: str) -> list[str]:
+    """The keys of the first `n` blocks of `data`."""
+    step = block_tokens * ID_BYTES
+    view = memoryview(data)
     parent = blake2b(scope.encode(), digest_size=8).digest()
     keys: list[str] = []
-    for start in range(0, len(data), step):
-        parent = blake2b(parent + data[start:start + step], digest_size=8).digest()
+    for start in range(0, n * step, step):
+        h = blake2b(parent, digest_size=8)
+        h.update(view[start:start + step])
+        parent = h.digest()
         keys.append(parent.hex())
     return keys

@@ -15,17 +15,25 @@ the whole prompt is one segment. The tests check counts against transformers on 
 whole corpus. Only segments of at least `MIN_CACHED_CHARS` are cached: short ones
 ("\\n", "assistant\\n") are cheaper to encode than to remember.
 
-Memory is bounded by an LRU over the segments' sizes in bytes.
+The shared-prefix path needs the ids themselves (their block keys, `proxy.prefix_blocks`):
+it caches a long segment's ids instead of its count, as `array("I")` bytes (4 per
+token, about the segment's own size again), and builds the prompt's id stream from
+them and the special tokens' ids. Segments are independent where the count is
+additive (above), so that stream is `encode_rendered` of the whole text, id for id.
+
+Memory is bounded by an LRU over the entries' sizes in bytes, ids included.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from proxy.prefix_blocks import ID_BYTES
 from proxy.tokenize.guard import CountFailed, is_panic
 
 __all__ = ["CacheStats", "CountCache", "SegmentCounter"]
@@ -33,6 +41,11 @@ __all__ = ["CacheStats", "CountCache", "SegmentCounter"]
 MIN_CACHED_CHARS = 64
 DEFAULT_CACHE_BYTES = 64 * 2**20
 _ENTRY_OVERHEAD_BYTES = 100  # the dict slot, the int, the list links: about this
+
+
+def _entry_bytes(segment: str, value: int | bytes) -> int:
+    size = sys.getsizeof(segment) + _ENTRY_OVERHEAD_BYTES
+    return size if isinstance(value, int) else size + sys.getsizeof(value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,13 +63,16 @@ class CacheStats:
 
 
 class CountCache:
-    """Segment text -> token count, least recently used evicted past `max_bytes`."""
+    """Segment text -> its token count, or its ids (`array("I")` bytes, which give the
+    count too), least recently used evicted past `max_bytes`; ids are charged at their
+    size. A count path that needs no ids stores the count; the shared-prefix path
+    stores ids, over a count stored before."""
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError(f"count cache size must be >= 0 bytes. Given: {max_bytes}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, int] = OrderedDict()
+        self._entries: OrderedDict[str, int | bytes] = OrderedDict()
         self._size_bytes = 0
         self._hits = 0
         self._misses = 0
@@ -64,26 +80,47 @@ class CountCache:
 
     def get(self, segment: str) -> int | None:
         with self._lock:
-            count = self._entries.get(segment)
-            if count is None:
+            value = self._entries.get(segment)
+            if value is None:
                 self._misses += 1
                 return None
             self._entries.move_to_end(segment)
             self._hits += 1
-            return count
+            return value if isinstance(value, int) else len(value) // ID_BYTES
+
+    def get_ids(self, segment: str) -> bytes | None:
+        """The segment's ids; a miss where only its count is held."""
+        with self._lock:
+            value = self._entries.get(segment)
+            if not isinstance(value, bytes):
+                self._misses += 1
+                return None
+            self._entries.move_to_end(segment)
+            self._hits += 1
+            return value
 
     def put(self, segment: str, count: int) -> None:
-        size = sys.getsizeof(segment) + _ENTRY_OVERHEAD_BYTES
+        self._put(segment, count)
+
+    def put_ids(self, segment: str, ids: bytes) -> None:
+        self._put(segment, ids)
+
+    def _put(self, segment: str, value: int | bytes) -> None:
+        size = _entry_bytes(segment, value)
         if size > self.max_bytes:
             return
         with self._lock:
-            if segment in self._entries:
-                return
-            self._entries[segment] = count
+            held = self._entries.get(segment)
+            if held is not None:
+                if isinstance(held, bytes) or isinstance(value, int):
+                    return  # ids are kept over a count; one of each kind is enough
+                self._size_bytes -= _entry_bytes(segment, held)
+                self._entries.move_to_end(segment)
+            self._entries[segment] = value
             self._size_bytes += size
             while self._size_bytes > self.max_bytes:
-                old, _ = self._entries.popitem(last=False)
-                self._size_bytes -= sys.getsizeof(old) + _ENTRY_OVERHEAD_BYTES
+                old, gone = self._entries.popitem(last=False)
+                self._size_bytes -= _entry_bytes(old, gone)
 
     def stats(self) -> CacheStats:
         with self._lock:
@@ -109,6 +146,7 @@ class SegmentCounter:
         self._split = split
         self._encode = encode
         self.cache = cache
+        self._special_bytes: dict[int, bytes] = {}  # a special token's id, as bytes
 
     def plan(self, text: str) -> tuple[int, list[str]]:
         """-> (tokens known now: specials + cache hits, segments still to encode)."""
@@ -135,13 +173,7 @@ class SegmentCounter:
         total = 0
         cache = self.cache
         for segment in todo:
-            try:
-                n = len(self._encode(segment))
-            except BaseException as exc:
-                if is_panic(exc):
-                    raise CountFailed(f"the tokenizer panicked on a segment of "
-                                      f"{len(segment)} characters: {exc}") from exc
-                raise
+            n = len(self._encoded(segment))
             if cache is not None and len(segment) >= MIN_CACHED_CHARS:
                 cache.put(segment, n)
             total += n
@@ -150,3 +182,56 @@ class SegmentCounter:
     def count(self, text: str) -> int:
         known, todo = self.plan(text)
         return known + self.finish(todo)
+
+    def plan_ids(self, text: str) -> tuple[list[bytes | str], int]:
+        """-> (the id stream's parts in order: ids known now as `array("I")` bytes
+        (special tokens, cache hits), segments still to encode as text; how many
+        characters those segments hold). `finish_ids` joins them."""
+        parts: list[bytes | str] = []
+        new_chars = 0
+        cache = self.cache
+        special = self._special_bytes
+        for part in self._split(text):
+            if isinstance(part, int):
+                data = special.get(part)
+                if data is None:
+                    data = special[part] = array("I", (part,)).tobytes()
+                parts.append(data)
+                continue
+            if cache is not None and len(part) >= MIN_CACHED_CHARS:
+                hit = cache.get_ids(part)
+                if hit is not None:
+                    parts.append(hit)
+                    continue
+            parts.append(part)
+            new_chars += len(part)
+        return parts, new_chars
+
+    def finish_ids(self, parts: list[bytes | str]) -> bytes:
+        """The ids of the whole text (`array("I")` bytes): what `plan_ids` left encoded
+        and the long segments' ids remembered; failures as in `finish`."""
+        out: list[bytes] = []
+        cache = self.cache
+        for part in parts:
+            if isinstance(part, bytes):
+                out.append(part)
+                continue
+            data = array("I", self._encoded(part)).tobytes()
+            if cache is not None and len(part) >= MIN_CACHED_CHARS:
+                cache.put_ids(part, data)
+            out.append(data)
+        return b"".join(out)
+
+    def ids(self, text: str) -> bytes:
+        """The ids of `text` as `encode_rendered` gives them, as `array("I")` bytes."""
+        parts, _ = self.plan_ids(text)
+        return self.finish_ids(parts)
+
+    def _encoded(self, segment: str) -> list[int]:
+        try:
+            return self._encode(segment)
+        except BaseException as exc:
+            if is_panic(exc):
+                raise CountFailed(f"the tokenizer panicked on a segment of "
+                                  f"{len(segment)} characters: {exc}") from exc
+            raise

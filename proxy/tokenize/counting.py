@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from array import array
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
@@ -20,6 +21,7 @@ from typing import Any
 
 import jinja2
 
+from proxy.prefix_blocks import ID_BYTES, block_keys_of_bytes
 from proxy.tokenize.base import (
     ChatRequest,
     Encoder,
@@ -38,7 +40,7 @@ from proxy.tokenize.templates import (
     parse_tool_call,
 )
 
-__all__ = ["MistralTokenCounter", "TokenCounter", "count_executor"]
+__all__ = ["Keyed", "MistralTokenCounter", "TokenCounter", "count_executor"]
 
 # Counting inline on the event loop beats a thread-pool round trip (a wake-up through
 # the loop's self-pipe, two context switches) while the work is short: up to this
@@ -51,6 +53,18 @@ INLINE_MESSAGES = 64
 # rendered prompt longer than this goes to the pool whole (about 0.1 ms of splitting
 # for DeepSeek V3's 818 added tokens; a prompt of megabytes would hold the loop).
 INLINE_RENDERED_CHARS = 65_536
+
+# Block keys of at most this many tokens are hashed inline (~0.6 ms), longer in the pool.
+INLINE_KEYED_TOKENS = 16_384
+
+# A prompt's exact count and its shared-prefix block keys.
+Keyed = tuple[int, tuple[str, ...]]
+
+
+def _keyed(ids: bytes, block_tokens: int, scope: str) -> Keyed:
+    """The count and block keys of ids held as `array("I")` bytes."""
+    return len(ids) // ID_BYTES, tuple(block_keys_of_bytes(ids, block_tokens, scope=scope))
+
 
 # What kvgate itself passes to a chat template; a request's template kwargs may not
 # override them.
@@ -237,14 +251,63 @@ class TokenCounter(_OffLoop):
     def count_prompt(self, prompt: str | Sequence[int]) -> int:
         """One completion prompt: text gets the tokenizer's BOS rule, ids count as given."""
         if isinstance(prompt, str):
-            try:
-                return len(self._encoder.encode_plain(prompt, add_special_tokens=True))
-            except BaseException as exc:  # the encoders catch theirs: this is the last net
-                if is_panic(exc):
-                    raise CountFailed(f"model {self.name!r}: the tokenizer panicked on a "
-                                      f"prompt of {len(prompt)} characters: {exc}") from exc
-                raise
+            return len(self._plain_ids(prompt))
         return len(prompt)
+
+    def _plain_ids(self, prompt: str) -> list[int]:
+        try:
+            return self._encoder.encode_plain(prompt, add_special_tokens=True)
+        except BaseException as exc:  # the encoders catch theirs: this is the last net
+            if is_panic(exc):
+                raise CountFailed(f"model {self.name!r}: the tokenizer panicked on a "
+                                  f"prompt of {len(prompt)} characters: {exc}") from exc
+            raise
+
+    # ------------------------------------------------------------ with block keys
+    # The exact count and the prompt's shared-prefix block keys (`proxy.prefix_blocks`)
+    # from one id stream: a chat's from its segments' cached ids (`SegmentCounter.ids`),
+    # a prompt's from `encode_plain`. Failures are those of `count_chat`/`count_prompt`.
+
+    def count_chat_keys(self, chat: ChatRequest, block_tokens: int, scope: str) -> Keyed:
+        return _keyed(self._segments.ids(self.render_chat(chat)), block_tokens, scope)
+
+    def count_prompt_keys(self, prompt: str | Sequence[int], block_tokens: int,
+                          scope: str) -> Keyed:
+        ids = self._plain_ids(prompt) if isinstance(prompt, str) else prompt
+        try:
+            data = array("I", ids).tobytes()
+        except OverflowError:  # an id no vocabulary has (>= 2**32): nothing to share
+            return len(ids), ()
+        return _keyed(data, block_tokens, scope)
+
+    async def count_chat_keys_async(self, chat: ChatRequest, block_tokens: int,
+                                    scope: str) -> Keyed:
+        """`count_chat_keys`: inline where little is new (what `count_chat_async` does
+        inline, and the keys of at most `INLINE_KEYED_TOKENS`), else in the pool."""
+        loop = asyncio.get_running_loop()
+        if len(chat.messages) > INLINE_MESSAGES:
+            return await loop.run_in_executor(count_executor(), self.count_chat_keys, chat,
+                                              block_tokens, scope)
+        rendered = self.render_chat(chat)
+        segments = self._segments
+        if len(rendered) > INLINE_RENDERED_CHARS:
+            return await loop.run_in_executor(
+                count_executor(), lambda: _keyed(segments.ids(rendered), block_tokens, scope))
+        parts, new_chars = segments.plan_ids(rendered)
+        known = sum(len(p) for p in parts if isinstance(p, bytes)) // ID_BYTES
+        if new_chars <= self._inline_chars and known + new_chars <= INLINE_KEYED_TOKENS:
+            return _keyed(segments.finish_ids(parts), block_tokens, scope)
+        return await loop.run_in_executor(
+            count_executor(), lambda: _keyed(segments.finish_ids(parts), block_tokens, scope))
+
+    async def count_prompt_keys_async(self, prompt: str | Sequence[int], block_tokens: int,
+                                      scope: str) -> Keyed:
+        if len(prompt) <= (self._inline_chars if isinstance(prompt, str)
+                           else INLINE_KEYED_TOKENS):
+            return self.count_prompt_keys(prompt, block_tokens, scope)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(count_executor(), self.count_prompt_keys, prompt,
+                                          block_tokens, scope)
 
     def token_id(self, token: str) -> int | None:
         return self._encoder.token_id(token)
