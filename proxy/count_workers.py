@@ -8,8 +8,11 @@ encoding; the proxy sends each request's body as it arrived and gets the counts 
 The counts are the same function of the same bytes, so they are exactly the same.
 
 Wire: one Unix socket pair per worker; frames of `!II` (payload length, request id) and
-a payload. Request: one byte for the endpoint (`c` chat, `p` completions) then the body.
-Answer: JSON, `{"ok": [counts...], "cache": [hits, misses, bytes, entries]}`, or
+a payload. Request: one byte for the endpoint (`c` chat, `p` completions) then the body;
+a request that wants its shared-prefix block keys too starts with `k`, the block size
+and the scope (`_keys_job`). Answer: JSON, `{"ok": [counts...], "cache": [hits, misses,
+bytes, entries]}` (with `"keys"`: the block keys' hex joined in one string, where
+asked and the counter has ids), or
 `{"template": message}` (the chat template refused: the caller's 400), or
 `{"count_failed": message}` (no tokenizer could count the text: `CountFailed`, the
 caller's 500), or `{"fail": message}` (a defect: the caller's 500). Id 0 is the
@@ -43,13 +46,15 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from proxy.tokenize import CountFailed, TemplateError
+from proxy.prefix_blocks import KEY_CHARS
+from proxy.tokenize import CountFailed, TemplateError, TokenCounter
 from proxy.tokenize.cache import CacheStats
 from proxy.tokenize.guard import is_panic
 
 __all__ = ["CountWorkers", "WorkerGone"]
 
 _HEADER = struct.Struct("!II")
+_KEYS_JOB = struct.Struct("!II")  # block tokens, scope length (`_keys_job`)
 _ENDPOINT_BYTE = {"chat": b"c", "completions": b"p"}
 _READY_ID = 0
 _STATS_FIELDS = ("hits", "misses", "size_bytes", "entries")  # the order workers send
@@ -120,12 +125,13 @@ class _Worker(asyncio.Protocol):
         if self.on_lost is not None:
             self.on_lost(self)
 
-    def send(self, endpoint: str, body: bytes) -> asyncio.Future[Any]:
+    def send(self, endpoint: str, body: bytes, job: bytes = b"") -> asyncio.Future[Any]:
+        """`job`: what comes before the endpoint byte (`_keys_job`), if anything."""
         assert self.transport is not None
         rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending[rid] = waiter
-        self.transport.writelines((_HEADER.pack(len(body) + 1, rid),
+        self.transport.writelines((_HEADER.pack(len(job) + len(body) + 1, rid), job,
                                    _ENDPOINT_BYTE[endpoint], body))
         return waiter
 
@@ -275,21 +281,40 @@ class CountWorkers:
         """The prompt counts of a validated request body; None when no worker is left
         (the caller counts in its own process). Raises `TemplateError` as the counter
         would, and `RuntimeError` for a worker's unexpected failure."""
+        answer = await self._ask(endpoint, body, b"")
+        if answer is None:
+            return None
+        counts: list[int] = answer["ok"]
+        return counts
+
+    async def count_keys(self, endpoint: str, body: bytes, block_tokens: int,
+                         scope: str) -> tuple[int, tuple[str, ...]] | None:
+        """The exact count and shared-prefix block keys of a validated body with one
+        prompt (`TokenCounter.count_chat_keys`, `count_prompt_keys`), for blocks of
+        `block_tokens` in `scope`; None when no worker is left. Raises as `count`."""
+        answer = await self._ask(endpoint, body, _keys_job(block_tokens, scope))
+        if answer is None:
+            return None
+        (count,) = answer["ok"]
+        keys: str = answer.get("keys") or ""
+        return count, tuple(keys[i:i + KEY_CHARS] for i in range(0, len(keys), KEY_CHARS))
+
+    async def _ask(self, endpoint: str, body: bytes, job: bytes) -> dict[str, Any] | None:
         worker = self._pick()
         if worker is None:
             return None
         try:
-            payload = await worker.send(endpoint, body)
+            payload = await (worker.send(endpoint, body, job) if job
+                             else worker.send(endpoint, body))
         except WorkerGone as exc:
             # Not handed to the next worker: a request that killed one would kill them all.
             log.error("%s; its requests count in the proxy process", exc)
             return None
-        answer = json.loads(payload)
+        answer: dict[str, Any] = json.loads(payload)
         if "ok" in answer:
             worker.counted += 1
             worker.cache[answer["model"]] = answer["cache"]
-            counts: list[int] = answer["ok"]
-            return counts
+            return answer
         if "template" in answer:
             raise TemplateError(answer["template"])
         if "count_failed" in answer:
@@ -339,17 +364,38 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(chunks)
 
 
+def _keys_job(block_tokens: int, scope: str) -> bytes:
+    """A job that wants block keys too: `k`, then `!II` (block tokens, scope bytes), the
+    scope in UTF-8, then the endpoint byte and the body as for a count."""
+    raw = scope.encode()
+    return b"k" + _KEYS_JOB.pack(block_tokens, len(raw)) + raw
+
+
 def _answer(counters: Mapping[str, Any], payload: bytes,
             llama_cpp: Collection[str] = ()) -> dict[str, Any]:
     from proxy.validation import Endpoint, validate
 
+    keyed: tuple[int, str] | None = None
+    if payload[:1] == b"k":
+        block_tokens, size = _KEYS_JOB.unpack_from(payload, 1)
+        at = 1 + _KEYS_JOB.size
+        keyed = block_tokens, payload[at:at + size].decode()
+        payload = payload[at + size:]
     endpoint = Endpoint.CHAT if payload[:1] == b"c" else Endpoint.COMPLETIONS
+    keys: str | None = None
     try:
         req = validate(payload[1:], endpoint)
         counter = counters[req.model]
         counts: Sequence[int]
-        if req.chat is not None:
-            chat = req.chat.as_llama_cpp_reads() if req.model in llama_cpp else req.chat
+        chat = req.chat
+        if chat is not None and req.model in llama_cpp:
+            chat = chat.as_llama_cpp_reads()
+        if keyed is not None and isinstance(counter, TokenCounter) and req.n == 1 and (
+                chat is not None or len(req.prompts) == 1):
+            count, key_list = (counter.count_chat_keys(chat, *keyed) if chat is not None
+                               else counter.count_prompt_keys(req.prompts[0], *keyed))
+            counts, keys = [count], "".join(key_list)
+        elif chat is not None:
             counts = [counter.count_chat(chat)]
         else:
             counts = [counter.count_prompt(p) for p in req.prompts]
@@ -366,7 +412,10 @@ def _answer(counters: Mapping[str, Any], payload: bytes,
     stats = counter.cache_stats()
     cache = ([getattr(stats, f) for f in _STATS_FIELDS] if stats is not None
              else [0] * len(_STATS_FIELDS))
-    return {"ok": list(counts), "model": req.model, "cache": cache}
+    answer: dict[str, Any] = {"ok": list(counts), "model": req.model, "cache": cache}
+    if keys is not None:
+        answer["keys"] = keys
+    return answer
 
 
 def serve(fd: int, models: Mapping[str, str], llama_cpp: Collection[str] = ()) -> None:

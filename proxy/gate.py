@@ -176,10 +176,9 @@ class Gate:
                 ask = replace(ask, request=req)
         if ask.prompt_tokens is None:
             self._refuse_what_never_fits(req)
-        # Block keys come from one exact encoding of the prompt in the count pool, before
-        # admission (so not on a bound); where count workers are set, they count (no
-        # keys: every lease charged its whole prompt).
-        sharing = self.count_workers is None and any(b.shares_prefixes for b in self.backends)
+        # Block keys come with the exact count (in this process, the pool or a count
+        # worker), before admission (so not on a bound).
+        sharing = any(b.shares_prefixes for b in self.backends)
         rendered = None if sharing else self._render(ask)
         if rendered is not None and self._may_admit_on_bound(req, rendered):
             assert rendered.max_tokens is not None
@@ -357,10 +356,11 @@ class Gate:
         return _nonempty(counts)
 
     async def _count_shared(self, req: ValidRequest) -> tuple[int, tuple[str, ...]] | None:
-        """The exact count and block keys from one encoding (`proxy.sharing`)."""
+        """The exact count and block keys from one id stream (`proxy.sharing`): in a
+        count worker where they run, else in this process."""
         try:
             return await counted_with_blocks(self._counter, req, self.config.block_size,
-                                             scope_of(self.name, req))
+                                             scope_of(self.name, req), self.count_workers)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
 

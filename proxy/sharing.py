@@ -11,11 +11,10 @@ layout (a hybrid model's ledger tokens are not whole blocks of the prompt).
 
 from __future__ import annotations
 
-import asyncio
+import json
 
-from proxy.prefix_blocks import block_keys
-from proxy.tokenize import CountFailed, PromptCounter, count_executor
-from proxy.tokenize.guard import is_panic
+from proxy.count_workers import CountWorkers
+from proxy.tokenize import PromptCounter, TokenCounter
 from proxy.validation import ValidRequest
 
 __all__ = ["counted_with_blocks", "scope_of"]
@@ -28,36 +27,28 @@ def scope_of(model: str, req: ValidRequest) -> str:
     return f"{model}\0{salt if isinstance(salt, str) else ''}"
 
 
-def _ids(counter: PromptCounter, req: ValidRequest) -> list[int] | None:
-    if req.chat is not None:
-        chat_ids = getattr(counter, "chat_token_ids", None)
-        return None if chat_ids is None else list(chat_ids(req.chat))
-    prompt = req.prompts[0]
-    if not isinstance(prompt, str):
-        return list(prompt)
-    prompt_ids = getattr(counter, "prompt_token_ids", None)
-    return None if prompt_ids is None else list(prompt_ids(prompt))
-
-
-def _counted(counter: PromptCounter, req: ValidRequest, block_tokens: int,
-             scope: str) -> tuple[int, tuple[str, ...]] | None:
-    try:
-        ids = _ids(counter, req)
-    except BaseException as exc:
-        if is_panic(exc):
-            raise CountFailed(f"the tokenizer panicked on this prompt: {exc}") from exc
-        raise
-    if ids is None:
-        return None
-    return len(ids), tuple(block_keys(ids, block_tokens, scope=scope))
-
-
 async def counted_with_blocks(counter: PromptCounter, req: ValidRequest, block_tokens: int,
-                              scope: str) -> tuple[int, tuple[str, ...]] | None:
-    """The exact prompt count and its block keys, from one encoding in the count pool;
-    None where there is nothing to share (several prompts or sequences, no ids)."""
+                              scope: str, workers: CountWorkers | None = None,
+                              ) -> tuple[int, tuple[str, ...]] | None:
+    """The exact prompt count and its block keys, from one id stream: in a count worker
+    where they run, else in this process (`TokenCounter.count_chat_keys_async`: a
+    repeated segment's ids come from the count cache). None where there is nothing to
+    share (several prompts or sequences, a counter without ids: Mistral's).
+
+    Raises as counting does: `TemplateError`, `CountFailed` (a tokenizer panic too)."""
     if req.n != 1 or (req.chat is None and len(req.prompts) != 1):
         return None
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(count_executor(), _counted, counter, req,
-                                      block_tokens, scope)
+    if not isinstance(counter, TokenCounter):
+        return None
+    prompt = req.prompts[0] if req.chat is None else None
+    if workers is not None and not (prompt is not None and not isinstance(prompt, str)):
+        # the body as parsed (the gate holds no raw bytes here); a worker validates it
+        # again, to the same request
+        body = json.dumps(req.body, ensure_ascii=False, separators=(",", ":")).encode()
+        counted = await workers.count_keys(req.endpoint, body, block_tokens, scope)
+        if counted is not None:
+            return counted
+    if req.chat is not None:
+        return await counter.count_chat_keys_async(req.chat, block_tokens, scope)
+    assert prompt is not None
+    return await counter.count_prompt_keys_async(prompt, block_tokens, scope)

@@ -8,6 +8,7 @@ its share back to the proxy's own counter, still exact, and is restarted.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.tokenize import TemplateError
 from proxy.tokenize.bytelevel import ENV_SWITCH
 from tests.support.corpus import WEATHER_TOOL, conversations
 from tests.support.metrics import samples
@@ -142,3 +144,82 @@ def test_a_dead_worker_leaves_counting_exact_and_is_restarted() -> None:
             assert (await _state(s, stack))["count_workers"][0]["counted"] == 1
 
     asyncio.run(scenario())
+
+
+def test_workers_give_block_keys_and_prefixes_are_shared() -> None:
+    """With count workers the shared-prefix keys come from them: the same keys as the
+    proxy's own counter gives (chat and completions), and a second chat with the same
+    system prompt, while the first holds its blocks, is charged only for the rest."""
+    from proxy.count_workers import CountWorkers
+    from proxy.tokenize import ChatRequest, TokenCounter, load_counter
+
+    system = {"role": "system", "content": " ".join(
+        f"Rule {i}: answer in plain words and keep it short." for i in range(40))}
+    first = [system, {"role": "user", "content": "What is rule 3?"}]
+    second = [system, {"role": "user", "content": "And rule 7?"}]
+    counter = load_counter(MODELS / MODEL, name=MODEL)
+    assert isinstance(counter, TokenCounter)
+    scope = f"{MODEL}\0salt"
+
+    async def direct() -> None:
+        workers = CountWorkers({MODEL: str(MODELS / MODEL)}, 1)
+        await workers.start()
+        try:
+            for messages in (first, second, first):
+                body = json.dumps({"model": MODEL, "messages": messages}).encode()
+                got = await workers.count_keys("chat", body, 16, scope)
+                assert got == counter.count_chat_keys(ChatRequest(messages=messages), 16,
+                                                      scope)
+                assert got is not None and len(got[1]) > 20
+            body = json.dumps({"model": MODEL, "prompt": "The quick brown fox " * 30}).encode()
+            assert await workers.count_keys("completions", body, 4, scope) == \
+                counter.count_prompt_keys("The quick brown fox " * 30, 4, scope)
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                               "chat_template_kwargs": {"messages": []}}).encode()
+            with pytest.raises(TemplateError):
+                await workers.count_keys("chat", body, 16, scope)
+            (worker,) = workers.describe()
+            assert worker["counted"] == 4
+        finally:
+            await workers.close()
+
+    asyncio.run(direct())
+
+    async def over_http() -> None:
+        async with running_stack(backends=1, server={"count_workers": 1},
+                                 engine={"decode_step_ms": 5.0}) as stack, \
+                aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": first, "max_tokens": 400, "stream": True}
+            a = await s.post(stack.url + "/v1/chat/completions", json=body)
+            assert a.status == 200
+            await a.content.readuntil(b"\n\n")  # prefilled: its blocks are cached
+            status, headers, data = await _post(s, stack, "/v1/chat/completions",
+                                                {"model": MODEL, "messages": second,
+                                                 "max_tokens": 5})
+            assert status == 200, data
+            shared = int(headers["x-kvgate-shared-prefix-tokens"])
+            assert shared >= 16 * 20
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
+            assert (await _state(s, stack))["count_workers"][0]["counted"] == 2
+            a.close()
+
+    asyncio.run(over_http())
+
+
+def test_a_panic_in_a_keys_job_is_count_failed() -> None:
+    """The worker's side of a keys job: a tokenizer panic is `count_failed` (the proxy's
+    `CountFailed`, a 500 that reaches no backend), and the worker goes on."""
+    from proxy.count_workers import _answer, _keys_job
+    from proxy.tokenize import load_counter
+
+    counter = load_counter(MODELS / MODEL, name=MODEL)
+    panic = type("PanicException", (BaseException,), {"__module__": "pyo3_runtime"})
+
+    def explode(text: str) -> list[int]:
+        raise panic("core gave up")
+
+    counter._segments._encode = explode  # type: ignore[attr-defined]
+    body = json.dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": "count me " * 20}]}).encode()
+    answer = _answer({MODEL: counter}, _keys_job(16, MODEL) + b"c" + body)
+    assert "panicked" in answer["count_failed"]
