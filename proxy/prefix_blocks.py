@@ -22,7 +22,8 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
-__all__ = ["ID_BYTES", "KEY_CHARS", "block_keys", "block_keys_of_bytes", "shareable_blocks"]
+__all__ = ["ID_BYTES", "KEY_CHARS", "KeyChain", "block_keys", "block_keys_of_bytes",
+           "shareable_blocks"]
 
 KEY_CHARS = 16
 ID_BYTES = array("I").itemsize  # a token id as `block_keys` hashes it: native uint32
@@ -62,3 +63,65 @@ def _chain(data: bytes, n: int, block_tokens: int, scope: str) -> list[str]:
         parent = h.digest()
         keys.append(parent.hex())
     return keys
+
+
+class KeyChain:
+    """`block_keys` built as the ids arrive, in pieces (`feed`), so the keys of a piece
+    seen before from the same state can be reused (`state`, `extend`): the count
+    cache remembers, per cached segment and start state, the keys it adds
+    (`proxy.tokenize.cache`). `keys()` is `block_keys` of everything fed."""
+
+    __slots__ = ("_block_tokens", "_keys", "_step", "parent", "pending", "tokens")
+
+    def __init__(self, block_tokens: int, *, scope: str) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"`block_tokens` must be >= 1. Given: {block_tokens}")
+        self._block_tokens = block_tokens
+        self._step = block_tokens * ID_BYTES
+        self._keys: list[str] = []
+        self.parent = blake2b(scope.encode(), digest_size=8).digest()  # the last full block's
+        self.pending = b""  # ids after the last full block
+        self.tokens = 0
+
+    def state(self) -> tuple[bytes, bytes]:
+        """What the keys of the next ids depend on: the last key and the partial block."""
+        return self.parent, self.pending
+
+    def feed(self, data: bytes) -> int:
+        """Ids as `array("I")` bytes; -> how many keys they completed."""
+        before = len(self._keys)
+        self.tokens += len(data) // ID_BYTES
+        step = self._step
+        pending = self.pending
+        if pending:
+            need = step - len(pending)
+            if len(data) < need:
+                self.pending = pending + data
+                return 0
+            data = pending + data
+        view = memoryview(data)
+        full = len(data) - len(data) % step
+        parent = self.parent
+        keys = self._keys
+        for start in range(0, full, step):
+            h = blake2b(parent, digest_size=8)
+            h.update(view[start:start + step])
+            parent = h.digest()
+            keys.append(parent.hex())
+        self.parent = parent
+        self.pending = data[full:]
+        return len(keys) - before
+
+    def extend(self, keys: tuple[str, ...], state: tuple[bytes, bytes], tokens: int) -> None:
+        """What `feed` of `tokens` ids would do from the present state, remembered."""
+        self._keys += keys
+        self.parent, self.pending = state
+        self.tokens += tokens
+
+    def added(self, count: int) -> tuple[str, ...]:
+        """The last `count` keys."""
+        return tuple(self._keys[len(self._keys) - count:])
+
+    def keys(self) -> list[str]:
+        """`block_keys` of all the ids fed: the shareable blocks only."""
+        return self._keys[:shareable_blocks(self.tokens, self._block_tokens)]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from proxy.prefix_blocks import block_keys, block_keys_of_bytes
+from proxy.prefix_blocks import KeyChain, block_keys, block_keys_of_bytes
 from proxy.tokenize import ChatRequest, CountFailed, TemplateError, TokenCounter, load_counter
 from proxy.tokenize.bytelevel import ENV_SWITCH, ByteLevelBPEEncoder
 from proxy.tokenize.cache import CountCache
@@ -67,6 +67,37 @@ def chats(rng: random.Random, count: int) -> list[ChatRequest]:
 def expected(c: TokenCounter, chat: ChatRequest, block_tokens: int) -> tuple[int, tuple[str, ...]]:
     ids = c.chat_token_ids(copy.deepcopy(chat))  # the uncached path: encode_rendered
     return len(ids), tuple(block_keys(ids, block_tokens, scope=SCOPE))
+
+
+def test_a_chain_fed_in_pieces_gives_block_keys() -> None:
+    from array import array
+
+    rng = random.Random(4)
+    for _ in range(200):
+        ids = [rng.randrange(2**31) for _ in range(rng.randrange(0, 200))]
+        bt = rng.choice([1, 3, 16])
+        chain = KeyChain(bt, scope=SCOPE)
+        at = 0
+        while at < len(ids):
+            n = rng.randrange(0, 40)
+            chain.feed(array("I", ids[at:at + n]).tobytes())
+            at += n
+        assert chain.keys() == block_keys(ids, bt, scope=SCOPE)
+
+
+def test_a_repeated_segment_is_hashed_once_per_scope_and_start() -> None:
+    c = counter("qwen3-14b")
+    system = "You are a careful assistant who cites sources. " * 40
+    for scope in (SCOPE, "other\0", SCOPE):
+        for i in range(3):
+            chat = ChatRequest(messages=[{"role": "system", "content": system},
+                                         {"role": "user", "content": f"question {i}"}])
+            assert c.count_chat_keys(chat, 16, scope) == (
+                len(ids := c.chat_token_ids(chat)), tuple(block_keys(ids, 16, scope=scope)))
+    cache = c._segments.cache
+    assert cache is not None
+    entry = cache.get_ids(f"system\n{system}")  # the segment after <|im_start|>
+    assert entry is not None and len(entry.chains) == 2  # one start state per scope
 
 
 def test_keys_of_bytes_are_block_keys() -> None:
@@ -214,16 +245,20 @@ def test_a_template_refusal_is_a_template_error() -> None:
 
 
 def test_ids_are_charged_against_the_byte_budget() -> None:
-    cache = CountCache(max_bytes=4000)
+    cache = CountCache(max_bytes=8000)
     segment = "s" * 500
     cache.put(segment, 10)
     small = cache.stats().size_bytes
     cache.put_ids(segment, bytes(4 * 400))
     assert cache.stats().size_bytes > small + 1600 and cache.stats().entries == 1
-    assert cache.get(segment) == 400 and cache.get_ids(segment) == bytes(1600)
+    entry = cache.get_ids(segment)
+    assert cache.get(segment) == 400 and entry is not None and entry.data == bytes(1600)
+    before = cache.stats().size_bytes
+    cache.remember_chain(segment, entry, (b"p" * 8, b""), (("k" * 16,) * 25, (b"q" * 8, b"")))
+    assert cache.stats().size_bytes > before + 25 * 16  # the remembered keys are charged
     cache.put(segment, 400)  # a count never replaces ids
     assert cache.get_ids(segment) is not None
     for i in range(4):
         cache.put_ids(chr(97 + i) * 500, bytes(1600))
-    assert cache.stats().size_bytes <= 4000
+    assert cache.stats().size_bytes <= 8000
     assert cache.get_ids(segment) is None  # evicted, least recently used

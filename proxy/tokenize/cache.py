@@ -33,19 +33,30 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.prefix_blocks import ID_BYTES
+from proxy.prefix_blocks import ID_BYTES, KeyChain
 from proxy.tokenize.guard import CountFailed, is_panic
 
-__all__ = ["CacheStats", "CountCache", "SegmentCounter"]
+__all__ = ["CacheStats", "CountCache", "IdPart", "SegmentCounter", "SegmentIds"]
 
 MIN_CACHED_CHARS = 64
+MAX_CHAINS = 8  # start states remembered per cached segment (scopes, positions)
 DEFAULT_CACHE_BYTES = 64 * 2**20
 _ENTRY_OVERHEAD_BYTES = 100  # the dict slot, the int, the list links: about this
 
 
-def _entry_bytes(segment: str, value: int | bytes) -> int:
+def _entry_bytes(segment: str, value: int | SegmentIds) -> int:
     size = sys.getsizeof(segment) + _ENTRY_OVERHEAD_BYTES
-    return size if isinstance(value, int) else size + sys.getsizeof(value)
+    if isinstance(value, int):
+        return size
+    return size + sys.getsizeof(value.data) + _ENTRY_OVERHEAD_BYTES + value.chain_bytes
+
+
+def _chain_bytes(state: tuple[bytes, bytes],
+                 chain: tuple[tuple[str, ...], tuple[bytes, bytes]]) -> int:
+    keys, (parent, pending) = chain
+    return (sys.getsizeof(state[0]) + sys.getsizeof(state[1]) + sys.getsizeof(parent)
+            + sys.getsizeof(pending) + sys.getsizeof(keys)
+            + sum(map(sys.getsizeof, keys)) + _ENTRY_OVERHEAD_BYTES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,17 +73,35 @@ class CacheStats:
                           entries=self.entries + other.entries)
 
 
+class SegmentIds:
+    """A cached segment's ids (`array("I")` bytes) and, per chain state it was seen in
+    (`KeyChain.state`: the last block key and the partial block before it), the block
+    keys it added and the state after it: a repeated system prompt is hashed once."""
+
+    __slots__ = ("chain_bytes", "chains", "data")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.chains: dict[tuple[bytes, bytes], tuple[tuple[str, ...], tuple[bytes, bytes]]] = {}
+        self.chain_bytes = 0  # what `chains` holds, charged to the cache with the ids
+
+
+# A part of a rendered text's id stream (`SegmentCounter.plan_ids`): a special token's id
+# as bytes, a cached segment and its ids, or a segment still to encode.
+IdPart = bytes | str | tuple[str, SegmentIds]
+
+
 class CountCache:
-    """Segment text -> its token count, or its ids (`array("I")` bytes, which give the
-    count too), least recently used evicted past `max_bytes`; ids are charged at their
-    size. A count path that needs no ids stores the count; the shared-prefix path
-    stores ids, over a count stored before."""
+    """Segment text -> its token count, or its ids (`SegmentIds`, which give the count
+    too), least recently used evicted past `max_bytes`; ids and their remembered key
+    chains are charged at their size. A count path that needs no ids stores the count;
+    the shared-prefix path stores ids, over a count stored before."""
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError(f"count cache size must be >= 0 bytes. Given: {max_bytes}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, int | bytes] = OrderedDict()
+        self._entries: OrderedDict[str, int | SegmentIds] = OrderedDict()
         self._size_bytes = 0
         self._hits = 0
         self._misses = 0
@@ -86,13 +115,13 @@ class CountCache:
                 return None
             self._entries.move_to_end(segment)
             self._hits += 1
-            return value if isinstance(value, int) else len(value) // ID_BYTES
+            return value if isinstance(value, int) else len(value.data) // ID_BYTES
 
-    def get_ids(self, segment: str) -> bytes | None:
+    def get_ids(self, segment: str) -> SegmentIds | None:
         """The segment's ids; a miss where only its count is held."""
         with self._lock:
             value = self._entries.get(segment)
-            if not isinstance(value, bytes):
+            if not isinstance(value, SegmentIds):
                 self._misses += 1
                 return None
             self._entries.move_to_end(segment)
@@ -102,18 +131,35 @@ class CountCache:
     def put(self, segment: str, count: int) -> None:
         self._put(segment, count)
 
-    def put_ids(self, segment: str, ids: bytes) -> None:
-        self._put(segment, ids)
+    def put_ids(self, segment: str, ids: bytes) -> SegmentIds:
+        """-> the entry (the one held already, where another thread was first)."""
+        entry = SegmentIds(ids)
+        held = self._put(segment, entry)
+        return held if isinstance(held, SegmentIds) else entry
 
-    def _put(self, segment: str, value: int | bytes) -> None:
+    def remember_chain(self, segment: str, entry: SegmentIds, state: tuple[bytes, bytes],
+                       chain: tuple[tuple[str, ...], tuple[bytes, bytes]]) -> None:
+        """The keys `entry` adds from `state`, and the state after it (at most
+        `MAX_CHAINS` states a segment; nothing for an entry no longer held)."""
+        size = _chain_bytes(state, chain)
+        with self._lock:
+            if (self._entries.get(segment) is not entry or len(entry.chains) >= MAX_CHAINS
+                    or state in entry.chains or self._size_bytes + size > self.max_bytes):
+                return
+            entry.chains[state] = chain
+            entry.chain_bytes += size
+            self._size_bytes += size
+
+    def _put(self, segment: str, value: int | SegmentIds) -> int | SegmentIds | None:
+        """-> what is held for `segment` already, if anything."""
         size = _entry_bytes(segment, value)
         if size > self.max_bytes:
-            return
+            return None
         with self._lock:
             held = self._entries.get(segment)
             if held is not None:
-                if isinstance(held, bytes) or isinstance(value, int):
-                    return  # ids are kept over a count; one of each kind is enough
+                if isinstance(held, SegmentIds) or isinstance(value, int):
+                    return held  # ids are kept over a count; one of each kind is enough
                 self._size_bytes -= _entry_bytes(segment, held)
                 self._entries.move_to_end(segment)
             self._entries[segment] = value
@@ -121,6 +167,7 @@ class CountCache:
             while self._size_bytes > self.max_bytes:
                 old, gone = self._entries.popitem(last=False)
                 self._size_bytes -= _entry_bytes(old, gone)
+            return None
 
     def stats(self) -> CacheStats:
         with self._lock:
@@ -183,12 +230,13 @@ class SegmentCounter:
         known, todo = self.plan(text)
         return known + self.finish(todo)
 
-    def plan_ids(self, text: str) -> tuple[list[bytes | str], int]:
-        """-> (the id stream's parts in order: ids known now as `array("I")` bytes
-        (special tokens, cache hits), segments still to encode as text; how many
-        characters those segments hold). `finish_ids` joins them."""
-        parts: list[bytes | str] = []
-        new_chars = 0
+    def plan_ids(self, text: str) -> tuple[list[IdPart], int]:
+        """-> (the id stream's parts in order: special tokens' ids as `array("I")`
+        bytes, cache hits as (segment, `SegmentIds`), segments still to encode as text;
+        how many tokens are known now and characters are still to encode, together).
+        `finish_keys` and `finish_ids` join them."""
+        parts: list[IdPart] = []
+        size = 0
         cache = self.cache
         special = self._special_bytes
         for part in self._split(text):
@@ -197,35 +245,73 @@ class SegmentCounter:
                 if data is None:
                     data = special[part] = array("I", (part,)).tobytes()
                 parts.append(data)
+                size += 1
                 continue
             if cache is not None and len(part) >= MIN_CACHED_CHARS:
                 hit = cache.get_ids(part)
                 if hit is not None:
-                    parts.append(hit)
+                    parts.append((part, hit))
+                    size += len(hit.data) // ID_BYTES
                     continue
             parts.append(part)
-            new_chars += len(part)
-        return parts, new_chars
+            size += len(part)
+        return parts, size
 
-    def finish_ids(self, parts: list[bytes | str]) -> bytes:
-        """The ids of the whole text (`array("I")` bytes): what `plan_ids` left encoded
-        and the long segments' ids remembered; failures as in `finish`."""
+    def finish_keys(self, parts: list[IdPart], block_tokens: int,
+                    scope: str) -> tuple[int, tuple[str, ...]]:
+        """The exact count and `block_keys` of the whole text's ids: what `plan_ids`
+        left encoded (long segments' ids remembered), a cached segment's keys reused
+        where it was seen from the same chain state before; failures as in `finish`."""
+        chain = KeyChain(block_tokens, scope=scope)
+        cache = self.cache
+        for part in parts:
+            if isinstance(part, bytes):
+                chain.feed(part)
+                continue
+            if isinstance(part, str):
+                data = array("I", self._encoded(part)).tobytes()
+                if cache is None or len(part) < MIN_CACHED_CHARS:
+                    chain.feed(data)
+                    continue
+                segment, entry = part, cache.put_ids(part, data)
+            else:
+                segment, entry = part
+            assert cache is not None  # cache hits come from it
+            state = chain.state()
+            known = entry.chains.get(state)
+            if known is not None:
+                chain.extend(known[0], known[1], len(entry.data) // ID_BYTES)
+                continue
+            added = chain.feed(entry.data)
+            if added:  # a segment that completes no block is cheaper to hash again
+                cache.remember_chain(segment, entry, state, (chain.added(added), chain.state()))
+        return chain.tokens, tuple(chain.keys())
+
+    def finish_ids(self, parts: list[IdPart]) -> bytes:
+        """The ids of the whole text (`array("I")` bytes), as `finish_keys` reads them."""
         out: list[bytes] = []
         cache = self.cache
         for part in parts:
             if isinstance(part, bytes):
                 out.append(part)
-                continue
-            data = array("I", self._encoded(part)).tobytes()
-            if cache is not None and len(part) >= MIN_CACHED_CHARS:
-                cache.put_ids(part, data)
-            out.append(data)
+            elif isinstance(part, tuple):
+                out.append(part[1].data)
+            else:
+                data = array("I", self._encoded(part)).tobytes()
+                if cache is not None and len(part) >= MIN_CACHED_CHARS:
+                    cache.put_ids(part, data)
+                out.append(data)
         return b"".join(out)
 
     def ids(self, text: str) -> bytes:
         """The ids of `text` as `encode_rendered` gives them, as `array("I")` bytes."""
         parts, _ = self.plan_ids(text)
         return self.finish_ids(parts)
+
+    def keys(self, text: str, block_tokens: int, scope: str) -> tuple[int, tuple[str, ...]]:
+        """The count of `text` and `block_keys` of its ids."""
+        parts, _ = self.plan_ids(text)
+        return self.finish_keys(parts, block_tokens, scope)
 
     def _encoded(self, segment: str) -> list[int]:
         try:

@@ -269,7 +269,7 @@ class TokenCounter(_OffLoop):
     # a prompt's from `encode_plain`. Failures are those of `count_chat`/`count_prompt`.
 
     def count_chat_keys(self, chat: ChatRequest, block_tokens: int, scope: str) -> Keyed:
-        return _keyed(self._segments.ids(self.render_chat(chat)), block_tokens, scope)
+        return self._segments.keys(self.render_chat(chat), block_tokens, scope)
 
     def count_prompt_keys(self, prompt: str | Sequence[int], block_tokens: int,
                           scope: str) -> Keyed:
@@ -291,14 +291,14 @@ class TokenCounter(_OffLoop):
         rendered = self.render_chat(chat)
         segments = self._segments
         if len(rendered) > INLINE_RENDERED_CHARS:
-            return await loop.run_in_executor(
-                count_executor(), lambda: _keyed(segments.ids(rendered), block_tokens, scope))
-        parts, new_chars = segments.plan_ids(rendered)
-        known = sum(len(p) for p in parts if isinstance(p, bytes)) // ID_BYTES
-        if new_chars <= self._inline_chars and known + new_chars <= INLINE_KEYED_TOKENS:
-            return _keyed(segments.finish_ids(parts), block_tokens, scope)
-        return await loop.run_in_executor(
-            count_executor(), lambda: _keyed(segments.finish_ids(parts), block_tokens, scope))
+            return await loop.run_in_executor(count_executor(), segments.keys, rendered,
+                                              block_tokens, scope)
+        parts, size = segments.plan_ids(rendered)
+        new_chars = sum(len(p) for p in parts if isinstance(p, str))
+        if new_chars <= self._inline_chars and size <= INLINE_KEYED_TOKENS:
+            return segments.finish_keys(parts, block_tokens, scope)
+        return await loop.run_in_executor(count_executor(), segments.finish_keys, parts,
+                                          block_tokens, scope)
 
     async def count_prompt_keys_async(self, prompt: str | Sequence[int], block_tokens: int,
                                       scope: str) -> Keyed:
