@@ -359,13 +359,10 @@ class Gate:
         """The exact count and block keys from one id stream (`proxy.sharing`): in a
         count worker where they run, else in this process."""
         try:
-            shared = await counted_with_blocks(self._counter, req, self.config.block_size,
-                                               scope_of(self.name, req), self.count_workers)
+            return await counted_with_blocks(self._counter, req, self.config.block_size,
+                                             scope_of(self.name, req), self.count_workers)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
-        if shared is not None:
-            _nonempty([shared[0]])  # an empty prompt is refused here as on every count path
-        return shared
 
     def _render(self, ask: Ask) -> RenderedChat | None:
         """The rendered chat, where it is counted in this process from its rendered text:
