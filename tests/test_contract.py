@@ -552,6 +552,9 @@ def test_a_count_that_fails_is_a_500_that_names_the_request_and_holds_nothing(
     async def failing(self: TokenCounter, rendered: Any) -> int:
         raise CountFailed("the tokenizer's core gave up on this text")
 
+    async def failing_keys(self: TokenCounter, chat: Any, *args: Any) -> Any:
+        raise CountFailed("the tokenizer's core gave up on this text")
+
     def failing_ids(self: TokenCounter, chat: Any) -> list[int]:
         raise CountFailed("the tokenizer's core gave up on this text")
 
@@ -559,6 +562,7 @@ def test_a_count_that_fails_is_a_500_that_names_the_request_and_holds_nothing(
     if not on_bound:  # the shared-prefix count (the simulated engine, in this process,
         # reads ids too: on a bound, after the request is sent, it must still answer)
         monkeypatch.setattr(TokenCounter, "chat_token_ids", failing_ids)
+        monkeypatch.setattr(TokenCounter, "count_chat_keys_async", failing_keys)
 
     async def scenario() -> None:
         server = {"admit_on_bound": on_bound}
