@@ -68,7 +68,7 @@ class EngineTraits:
     `caches_prefixes`: a prefix block is held once for every running request that uses
     it, by default (vLLM v1's automatic prefix caching, SGLang's radix cache, TGI 3's
     prefix caching); llama.cpp's slots each keep their own cache. A running engine's
-    own report (`vllm:cache_config_info`) wins over this.
+    own report (`vllm:cache_config_info`) can turn this off, never on.
     """
 
     preempts: bool

@@ -107,8 +107,11 @@ class Gate:
         # (not a hybrid model's token-equivalents) and the engine caches prefixes.
         dense = self.ledger_tokens(64 * config.block_size) == 64 * config.block_size
         self.prefix_sharing = config.prefix_sharing is PrefixSharing.AUTO and dense
-        for b, bc in zip(backends, config.backends, strict=True):
-            self.controller.set_shares_prefixes(b, self.prefix_sharing and caches_prefixes(bc.kind))
+        # by the engine's kind; its own report can turn that off, never on (below)
+        self._kind_shares = {b.name: self.prefix_sharing and caches_prefixes(bc.kind)
+                             for b, bc in zip(backends, config.backends, strict=True)}
+        for b in backends:
+            self.controller.set_shares_prefixes(b, self._kind_shares[b.name])
         self.tracker: ReservationTracker | None = None
         self.targets: dict[str, AdmissionTarget] = {}
         if config.reservation is ReservationMode.ADAPTIVE:
@@ -499,10 +502,12 @@ class Gate:
                 load.usage_ratio, backend.target_tokens, backend.capacity_tokens)
 
     def _engine_shares(self, backend: Backend, load: EngineLoad) -> None:
-        """The engine's own word on its prefix caching wins over its kind's default."""
+        """An engine that reports its prefix caching off (or another block size) shares
+        nothing; one whose kind keeps no shared cache (llama.cpp) shares nothing
+        whatever a metrics page says."""
         if load.prefix_hit_tokens_total is not None:
             self.metrics.engine_prefix_hits(backend.name, load.prefix_hit_tokens_total)
-        if load.prefix_caching is not None and self.prefix_sharing:
+        if load.prefix_caching is not None and self._kind_shares[backend.name]:
             shares = load.prefix_caching and load.block_size in (None, self.config.block_size)
             if shares != backend.shares_prefixes:
                 _log.warning("backend %s: engine reports prefix caching %s, block size %s "

@@ -1,9 +1,9 @@
 """A request's shared-prefix block keys, counted from one encoding.
 
 `prefix_sharing = "auto"` (a model's default, `policies.engines.PrefixSharing`)
-shares on every backend whose engine caches prefixes: what its
-`vllm:cache_config_info` says where it reports it, else its kind (vLLM v1, SGLang
-and TGI 3 cache prefixes by default; llama.cpp's slots each keep their own cache).
+shares on every backend whose engine caches prefixes: by its kind (vLLM v1, SGLang
+and TGI 3 cache prefixes by default; llama.cpp's slots each keep their own cache),
+unless the engine's own `vllm:cache_config_info` says its caching is off.
 `"off"` charges every lease its whole prompt. Sharing
 needs the exact token ids (a counter that gives them: not Mistral's) and a dense
 layout (a hybrid model's ledger tokens are not whole blocks of the prompt).
