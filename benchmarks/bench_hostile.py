@@ -29,14 +29,11 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import aiohttp
-import tomli_w
 
-from benchmarks.bench_proxy import MODEL_DIR, free_port, ms, process
+from benchmarks.bench_proxy import kvgate_before_sim, ms
 
 LIMIT = 4 * 2**20 - 4096  # under kvgate's default body limit (4 MiB)
 KINDS = ("unique-text", "spaces", "many-prompts", "tools")
@@ -144,27 +141,9 @@ def main() -> None:
     parser.add_argument("--prefix-sharing", choices=["auto", "off"], default="auto")
     parser.add_argument("--kinds", default=",".join(KINDS))
     args = parser.parse_args()
-    sim_port, proxy_port = free_port(), free_port()
-    sim_url = f"http://127.0.0.1:{sim_port}"
-    proxy_url = f"http://127.0.0.1:{proxy_port}"
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "kvgate.toml"
-        config.write_text(tomli_w.dumps({
-            "server": {"listen": f"127.0.0.1:{proxy_port}"},
-            "queue": {"max_depth": 1024},
-            "models": [{"name": "qwen3-14b", "path": str(MODEL_DIR), "max_model_len": 8192,
-                        "deployment": {"kv_tokens": 1_000_000},
-                        "prefix_sharing": args.prefix_sharing,
-                        "backends": [{"name": "sim", "url": sim_url}]}],
-        }))
-        with process(["sim", "--port", str(sim_port), "--kv-tokens", "1000000",
-                      "--model", "qwen3-14b", "--model-dir", str(MODEL_DIR),
-                      "--output-len", "max", "--decode-step-ms", "1",
-                      "--max-model-len", "8192"], sim_port, Path(tmp) / "sim.log"), \
-                process(["serve", "--config", str(config)], proxy_port,
-                        Path(tmp) / "kvgate.log"):
-            asyncio.run(compare(proxy_url, args))
-
+    with kvgate_before_sim(decode_step_ms=1.0,
+                           model={"prefix_sharing": args.prefix_sharing}) as (_, proxy_url):
+        asyncio.run(compare(proxy_url, args))
 
 if __name__ == "__main__":
     main()

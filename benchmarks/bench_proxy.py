@@ -114,13 +114,11 @@ async def compare(direct: str, proxied: str, args: argparse.Namespace) -> None:
                   f"{ratio:>11.3f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--decode-step-ms", type=float, default=1.0)
-    args = parser.parse_args()
+@contextlib.contextmanager
+def kvgate_before_sim(*, decode_step_ms: float,
+                      model: dict[str, object] | None = None) -> Iterator[tuple[str, str]]:
+    """A simulated backend with room to spare and kvgate in front, each its own process;
+    -> (the backend's URL, kvgate's)."""
     sim_port, proxy_port = free_port(), free_port()
     sim_url = f"http://127.0.0.1:{sim_port}"
     proxy_url = f"http://127.0.0.1:{proxy_port}"
@@ -131,15 +129,26 @@ def main() -> None:
             "queue": {"max_depth": 1024},
             "models": [{"name": "qwen3-14b", "path": str(MODEL_DIR), "max_model_len": 8192,
                         "deployment": {"kv_tokens": 1_000_000},
-                        "backends": [{"name": "sim", "url": sim_url}]}],
+                        "backends": [{"name": "sim", "url": sim_url}], **(model or {})}],
         }))
         with process(["sim", "--port", str(sim_port), "--kv-tokens", "1000000",
                       "--model", "qwen3-14b", "--model-dir", str(MODEL_DIR),
-                      "--output-len", "max", "--decode-step-ms", str(args.decode_step_ms),
+                      "--output-len", "max", "--decode-step-ms", str(decode_step_ms),
                       "--max-model-len", "8192"], sim_port, Path(tmp) / "sim.log"), \
                 process(["serve", "--config", str(config)], proxy_port,
                         Path(tmp) / "kvgate.log"):
-            asyncio.run(compare(sim_url, proxy_url, args))
+            yield sim_url, proxy_url
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--decode-step-ms", type=float, default=1.0)
+    args = parser.parse_args()
+    with kvgate_before_sim(decode_step_ms=args.decode_step_ms) as (sim_url, proxy_url):
+        asyncio.run(compare(sim_url, proxy_url, args))
 
 
 if __name__ == "__main__":

@@ -518,6 +518,13 @@ def test_lease_ids_differ_within_and_across_processes() -> None:
     assert theirs and theirs not in ours
 
 
+def busy_releases(c: AdmissionController, clock: list[float], tokens: int) -> None:
+    """A release rate on `clock` that has seen `tokens` released while requests waited."""
+    c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0], min_busy_releases=1)
+    c.release_rate.set_busy(True)
+    c.release_rate.record(tokens)
+
+
 def test_a_request_that_cannot_start_in_time_is_refused_at_once() -> None:
     """Releases have run at 100 tokens/s; the pool (100) is full and 150 tokens wait
     ahead with time to spare. A 50-token request with 1 s left would need 2 s: refused
@@ -527,9 +534,7 @@ def test_a_request_that_cannot_start_in_time_is_refused_at_once() -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         clock = [t0]
-        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0], min_busy_releases=1)
-        c.release_rate.set_busy(True)
-        c.release_rate.record(100)
+        busy_releases(c, clock, 100)
         clock[0] = t0 + 1.0  # 100 tokens in the last second, with requests waiting
         hog = await c.acquire(demand(100), soon())
         ahead = [asyncio.ensure_future(c.acquire(demand(75), loop.time() + 10))
@@ -586,9 +591,7 @@ def test_a_newcomer_that_smaller_arrivals_would_pass_is_refused_at_once() -> Non
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         clock = [t0]
-        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0], min_busy_releases=1)
-        c.release_rate.set_busy(True)
-        c.release_rate.record(100)
+        busy_releases(c, clock, 100)
         for _ in range(75):
             c.release_rate.queued(30)
         clock[0] = t0 + 1.0
