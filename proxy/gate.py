@@ -454,8 +454,8 @@ class Gate:
         prefix caching off, or another block size, shares nothing."""
         a = self.config.adaptive
         if self.tracker is None:
-            if self.prefix_sharing:
-                await every(a.engine_poll_interval_s,
+            if self.prefix_sharing:  # a setting, not a load figure: read it less often
+                await every(max(5.0, a.engine_poll_interval_s),
                             functools.partial(self._read_engines, read_engine),
                             f"reading the engines of {self.name}")
             return

@@ -265,7 +265,9 @@ def test_a_request_lost_on_a_reused_connection_goes_once_more_on_a_fresh_one(how
     backend = RawBackend(hang_up=how)
 
     async def scenario() -> None:
-        async with kvgate_before(backend, server={"health_interval_s": 30.0}) as stack, \
+        # sharing off: its engine poll would pool connections of its own (GET /metrics)
+        async with kvgate_before(backend, server={"health_interval_s": 30.0},
+                                 model={"prefix_sharing": "off"}) as stack, \
                 aiohttp.ClientSession() as s:
             body = {"model": MODEL, "messages": MSGS, "max_tokens": 5}
             async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:

@@ -279,8 +279,10 @@ def test_upstream_down_before_first_byte_is_502_and_releases() -> None:
         return web.Response()
 
     async def scenario() -> None:
+        # sharing off: its engine poll would pool connections of its own (GET /metrics)
         async with fake_backend(hang_up) as url, \
-                running_stack(backends=0, extra_backend_urls=[url]) as stack, \
+                running_stack(backends=0, extra_backend_urls=[url],
+                              model={"prefix_sharing": "off"}) as stack, \
                 aiohttp.ClientSession() as s:
             await wait_status(s, f"{stack.url}/readyz", 200, timeout_s=3)
             async with s.post(f"{stack.url}/v1/chat/completions",

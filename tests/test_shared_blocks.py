@@ -128,9 +128,12 @@ async def _random_walk(led: Ledger, backends: list[str], steps: int, seed: int) 
             still = {k for h in live.values() for k in h.refs}
             ready[b] &= still
         if isinstance(led, RedisLedger):
+            # Redis holds the truth; the replica's own figure is its last view of it (a
+            # release notice read late may leave it behind until the next reply)
             await led.drain()
-            assert await led.resident_now(b) == engine_resident(live)
-        assert led.resident(b) == engine_resident(live) <= capacity
+            assert await led.resident_now(b) == engine_resident(live) <= capacity
+        else:
+            assert led.resident(b) == engine_resident(live) <= capacity
         assert led.shared_resident(b) == BT * len({k for h in live.values() for k in h.refs})
     for b in backends:
         for lease in list(held[b]):
