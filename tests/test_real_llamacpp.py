@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import unicodedata
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from tests.support.corpus import conversations, words
 from tests.support.engines import (
     TINY_MODEL,
     EngineProcess,
+    answer,
     bounded,
     llama_server_binary,
     start_llama_server,
@@ -98,65 +99,6 @@ def chat_body(messages: list[dict[str, Any]], *, max_tokens: int, stream: bool =
 def completion_body(prompt: str, *, max_tokens: int, stream: bool = False) -> dict[str, Any]:
     return {"model": TINY_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": stream, "cache_prompt": False}
-
-
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
-    """The data of each server-sent event, in order ("[DONE]" included)."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.decode().splitlines():
-                if line.startswith("data:"):
-                    yield line[5:].strip()
-    if buf.strip():
-        for line in buf.decode().splitlines():
-            if line.startswith("data:"):
-                yield line[5:].strip()
-
-
-def text_of(choice: dict[str, Any], chat: bool) -> str:
-    if chat:
-        return str(choice["message"].get("content") or "")
-    return str(choice["text"])
-
-
-async def answer(s: aiohttp.ClientSession, base: str, path: str, body: dict[str, Any]
-                 ) -> dict[str, Any]:
-    """status, headers, text, finish_reason, usage (streamed or not) of one request."""
-    chat = path.endswith("chat/completions")
-    async with s.post(f"{base}{path}", json=body) as resp:
-        out: dict[str, Any] = {"status": resp.status, "headers": dict(resp.headers)}
-        if not body.get("stream"):
-            data = await resp.json(content_type=None)
-            out["json"] = data
-            if resp.status == 200:
-                choice = data["choices"][0]
-                out |= {"text": text_of(choice, chat), "finish": choice["finish_reason"],
-                        "usage": data.get("usage")}
-            return out
-        pieces: list[str] = []
-        finish = None
-        usage = None
-        done = False
-        errors: list[Any] = []
-        async for data in sse_events(resp):
-            if data == "[DONE]":
-                done = True
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                errors.append(event["error"])
-                continue
-            for choice in event.get("choices") or []:
-                piece = choice["delta"].get("content") if chat else choice.get("text")
-                pieces.append(piece or "")
-                finish = choice.get("finish_reason") or finish
-            usage = event.get("usage") or usage
-        out |= {"text": "".join(pieces), "finish": finish, "usage": usage, "done": done,
-                "errors": errors}
-        return out
 
 
 # ------------------------------------------------------------------------- answers

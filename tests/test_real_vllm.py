@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from tests.support.corpus import conversations, words
 from tests.support.engines import (
     TINY_MODEL,
     EngineProcess,
+    answer,
     bounded,
     start_vllm,
     tiny_model_dir,
@@ -70,51 +71,6 @@ def kvgate(engine: EngineProcess, model_dir: Path, **model: Any
                "reservation": "strict",
                "deployment": {"kv_tokens": USABLE, "block_size": BLOCK}, **model},
     )
-
-
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.decode().splitlines():
-                if line.startswith("data:"):
-                    yield line[5:].strip()
-
-
-async def answer(s: aiohttp.ClientSession, base: str, path: str, body: dict[str, Any]
-                 ) -> dict[str, Any]:
-    chat = path.endswith("chat/completions")
-    async with s.post(f"{base}{path}", json=body) as resp:
-        out: dict[str, Any] = {"status": resp.status, "headers": dict(resp.headers)}
-        if not body.get("stream"):
-            data = await resp.json(content_type=None)
-            out["json"] = data
-            if resp.status == 200:
-                choice = data["choices"][0]
-                text = choice["message"].get("content") if chat else choice["text"]
-                out |= {"text": text or "", "finish": choice["finish_reason"],
-                        "usage": data.get("usage")}
-            return out
-        pieces: list[str] = []
-        finish, usage, done, errors = None, None, False, []
-        async for data in sse_events(resp):
-            if data == "[DONE]":
-                done = True
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                errors.append(event["error"])
-                continue
-            for choice in event.get("choices") or []:
-                piece = choice["delta"].get("content") if chat else choice.get("text")
-                pieces.append(piece or "")
-                finish = choice.get("finish_reason") or finish
-            usage = event.get("usage") or usage
-        out |= {"text": "".join(pieces), "finish": finish, "usage": usage, "done": done,
-                "errors": errors}
-        return out
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

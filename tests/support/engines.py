@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,9 @@ import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import aiohttp
 
 from proxy.stack import spawn_logged, stop_process
 from tests.support.redis_server import free_port
@@ -206,3 +210,65 @@ async def bounded(seconds: float) -> AsyncIterator[None]:
             yield
     except TimeoutError as exc:
         raise AssertionError(f"the load loop ran past its {seconds:.0f} s bound") from exc
+
+
+# ------------------------------------------------------------------------- answers
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The data of each server-sent event, in order ("[DONE]" included)."""
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.decode().splitlines():
+                if line.startswith("data:"):
+                    yield line[5:].strip()
+    if buf.strip():
+        for line in buf.decode().splitlines():
+            if line.startswith("data:"):
+                yield line[5:].strip()
+
+
+def text_of(choice: dict[str, Any], chat: bool) -> str:
+    if chat:
+        return str(choice["message"].get("content") or "")
+    return str(choice["text"])
+
+
+async def answer(s: aiohttp.ClientSession, base: str, path: str, body: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """status, headers, text, finish_reason, usage (streamed or not) of one request."""
+    chat = path.endswith("chat/completions")
+    async with s.post(f"{base}{path}", json=body) as resp:
+        out: dict[str, Any] = {"status": resp.status, "headers": dict(resp.headers)}
+        if not body.get("stream"):
+            data = await resp.json(content_type=None)
+            out["json"] = data
+            if resp.status == 200:
+                choice = data["choices"][0]
+                out |= {"text": text_of(choice, chat), "finish": choice["finish_reason"],
+                        "usage": data.get("usage")}
+            return out
+        pieces: list[str] = []
+        finish = None
+        usage = None
+        done = False
+        errors: list[Any] = []
+        async for data in sse_events(resp):
+            if data == "[DONE]":
+                done = True
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                errors.append(event["error"])
+                continue
+            for choice in event.get("choices") or []:
+                piece = choice["delta"].get("content") if chat else choice.get("text")
+                pieces.append(piece or "")
+                finish = choice.get("finish_reason") or finish
+            usage = event.get("usage") or usage
+        out |= {"text": "".join(pieces), "finish": finish, "usage": usage, "done": done,
+                "errors": errors}
+        return out
