@@ -1,0 +1,410 @@
+"""The shared ledger's upkeep: what keeps this replica's leases registered in Redis.
+
+`proxy.redis_ledger` answers the `Ledger` calls (reserve, resize, release); what keeps
+those answers right between calls lives here, the way redis-py keeps a connection's
+upkeep apart from its commands:
+
+* the worker: releases, ready marks and renewals, in order, pipelined in batches,
+  retried until Redis answers (so `release()` never awaits);
+* the refresh pass: renewals every ttl/3, else reclaiming expired leases, checking
+  each backend's epoch and repairing drift; and the eviction-policy check;
+* the listener: release notices over pub/sub, so a waiter wakes on another replica's
+  release;
+* loss and rebuild: whether Redis can be reached, the epoch each backend's leases are
+  registered under, and how long a rebuild still refuses admission (the scripts that
+  detect and repair a loss: `proxy.redis_scripts`).
+
+The ledger owns its state and hands `Upkeep` what both sides touch: its live leases,
+its view of each backend's resident tokens, the epochs the reserve and resize scripts
+check, and the queue its releases go on. It starts the three tasks and stops them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from proxy.errors import LedgerUnavailable
+from proxy.redis_policy import UnsafeRedisConfig, eviction_risk
+from proxy.redis_scripts import LOST, READY_LUA, REBUILDING, RECLAIM_LUA, RELEASE_LUA, RENEW_LUA
+
+__all__ = ["CONNECTION_ERRORS", "KEY_CHARS", "LiveLease", "Op", "Upkeep", "as_text"]
+
+log = logging.getLogger("kvgate.ledger")
+
+CONNECTION_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+KEY_CHARS = 16  # a block key: 64 bits in hex (`proxy.prefix_blocks`)
+
+# What the worker runs, in order: (kind, backend, lease_id), kind "release", "ready" or
+# "renew" (a renewal names no lease: it re-registers all of the backend's).
+Op = tuple[str, str, str]
+
+
+@dataclass(slots=True)
+class LiveLease:
+    """A live lease as this replica registered it: enough to re-register it."""
+
+    backend: str
+    tokens: int  # all it spans
+    refs: str = ""  # its `#<lease_id>` field: block size, '|', the keys it references
+    ref_tokens: int = 0  # block size x keys it references
+    block_tokens: int = 0
+    shared: int = 0  # tokens ready blocks of others covered at reserve
+    ready: bool = False
+
+    @property
+    def own(self) -> int:
+        return max(0, self.tokens - self.ref_tokens)
+
+    def ref_keys(self) -> list[str]:
+        keys = self.refs.partition("|")[2]
+        return [keys[i:i + KEY_CHARS] for i in range(0, len(keys), KEY_CHARS)]
+
+
+def as_text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Upkeep:
+    """The ledger's background tasks, and the loss and rebuild state they share with it."""
+
+    def __init__(
+        self,
+        *,
+        backends: list[str],
+        keys: Callable[[str], list[str]],
+        channel: str,
+        ttl_ms: int,
+        refresh_s: float,
+        window_s: float,
+        live: dict[str, LiveLease],
+        resident: dict[str, int],
+        epoch: dict[str, str],
+        ops: asyncio.Queue[Op],
+        closing: Callable[[], bool],
+    ) -> None:
+        self._backends = backends
+        self._keys = keys
+        self._channel = channel
+        self._ttl_ms = ttl_ms
+        self._refresh_s = refresh_s
+        self._window_s = window_s
+        self._live = live
+        self._resident = resident
+        # the epoch each backend's leases were last registered under (the ledger's
+        # scripts send it); the backends whose leases are registered under the current
+        # epoch as far as this replica knows (a backend leaves on a loss and on losing
+        # contact with Redis, and comes back with its next renewal); until when
+        # (time.monotonic()) each backend is being rebuilt
+        self._epoch = epoch
+        self._registered: set[str] = set()
+        self._rebuilding_until: dict[str, float] = {}
+        self._ops = ops
+        self._renew_pending: set[str] = set()
+        # redis-py's get_message can absorb a cancel, so the listener stops on a flag
+        self._closing = closing
+        self._listeners: list[Callable[[str], None]] = []
+        self._client: aioredis.Redis | None = None
+        self.reachable = False
+        self._policy_said: str | None = None
+        self._policy_checked_at = 0.0
+        self.reclaimed_total = 0
+        self.readded_total = 0
+        self.rebuilds_total = 0  # epochs this replica started (a loss, or a first start)
+        self.drift_fixed_total = 0  # tokens the resident counters were off by, repaired
+
+    # ------------------------------------------------------------------ first contact
+    def attach(self, client: aioredis.Redis) -> None:
+        """The ledger's client: the upkeep's scripts run on the same pool."""
+        self._client = client
+        self._release = client.register_script(RELEASE_LUA)
+        self._renew = client.register_script(RENEW_LUA)
+        self._reclaim = client.register_script(RECLAIM_LUA)
+        self._ready = client.register_script(READY_LUA)
+
+    async def connect(self) -> bool:
+        """Ping, refuse an evicting Redis (closes the client and raises
+        `UnsafeRedisConfig`) and register every backend's leases under the current
+        epoch (starting one on an empty ledger). -> whether Redis answered."""
+        assert self._client is not None
+        with contextlib.suppress(*CONNECTION_ERRORS):
+            await self._client.ping()
+            self.reachable = True
+        if not self.reachable:
+            return False
+        try:
+            problem = await self.check_eviction_policy()
+            self._policy_checked_at = time.monotonic()
+        except CONNECTION_ERRORS:
+            problem = None  # read on the first refresh pass that reaches Redis
+        if problem is not None:
+            await self._client.aclose()
+            raise UnsafeRedisConfig(problem)
+        with contextlib.suppress(*CONNECTION_ERRORS):
+            await self._run_batch([("renew", b, "") for b in self._backends])
+        return True
+
+    async def check_eviction_policy(self) -> str | None:
+        """-> why Redis may evict the ledger's keys, or None (`proxy.redis_policy`)."""
+        assert self._client is not None
+        return await eviction_risk(self._client, self._say_policy)
+
+    def _say_policy(self, state: str, level: int, message: str, *args: Any) -> None:
+        if state != self._policy_said:
+            self._policy_said = state
+            log.log(level, message, *args)
+
+    # ------------------------------------------------------------------ reachable, available
+    @property
+    def available(self) -> bool:
+        return (self.reachable and len(self._registered) == len(self._backends)
+                and self.rebuilding_left_s() <= 0)
+
+    def rebuilding_left_s(self) -> float:
+        if not self._rebuilding_until:
+            return 0.0
+        return max(self._rebuilding_until.values()) - time.monotonic()
+
+    def add_listener(self, callback: Callable[[str], None]) -> None:
+        self._listeners.append(callback)
+
+    def set_reachable(self, reachable: bool, error: BaseException | None = None) -> None:
+        """What each answer from Redis (or its absence) says, the ledger's calls' too."""
+        if reachable == self.reachable:
+            return
+        self.reachable = reachable
+        if not reachable:
+            # Redis may lose its data while out of reach: this replica is not ready again
+            # before its renewal has re-registered its leases (and learnt the epoch).
+            self._registered.clear()
+            log.warning("shared ledger is UNREACHABLE: %s: %s", type(error).__name__, error)
+            return
+        log.warning("shared ledger is reachable")
+        self._notify_all()
+
+    def _notify_all(self) -> None:
+        for backend in self._backends:
+            for callback in self._listeners:
+                callback(backend)
+
+    # ------------------------------------------------------------------ loss and rebuild
+    def refusal(self, backend: str, status: int, left_ms: int) -> LedgerUnavailable:
+        """An epoch refusal from a script: note it, and -> the 503 to answer with."""
+        if status == REBUILDING:
+            left_s = left_ms / 1000
+            self._rebuilding_until[backend] = time.monotonic() + left_s
+            return LedgerUnavailable(
+                f"the shared ledger of {backend!r} is being rebuilt after Redis lost its "
+                f"data; kvgate admits again in {left_s:.1f} s, once every replica has "
+                "re-registered its live leases",
+                retry_after_s=left_s,
+            )
+        self._lost(backend, gone=status == LOST)
+        return LedgerUnavailable(
+            f"the shared ledger of {backend!r} lost its data in Redis (a restart without "
+            "persistence, an eviction, a flush); kvgate re-registers the live leases and "
+            f"admits again in about {self._window_s:.1f} s",
+            retry_after_s=max(self._window_s, self._refresh_s),
+        )
+
+    def _lost(self, backend: str, *, gone: bool) -> None:
+        """The epoch is gone (`gone`) or not the one this replica registered under:
+        not available until this replica's leases are registered again (the renewal's
+        answer then says how long the rebuild still runs)."""
+        if backend in self._registered:
+            count = sum(1 for live in self._live.values() if live.backend == backend)
+            if gone:
+                log.warning("shared ledger of %s LOST its data in Redis (a restart without "
+                            "persistence, an eviction, a flush): re-registering this "
+                            "replica's %d live leases; no admission until the rebuild is "
+                            "done", backend, count)
+            else:
+                log.warning("shared ledger of %s was rebuilt by another replica: "
+                            "re-registering this replica's %d live leases", backend, count)
+        self._registered.discard(backend)
+        self._queue_renewal(backend)
+
+    def _queue_renewal(self, backend: str) -> None:
+        if backend not in self._renew_pending:
+            self._renew_pending.add(backend)
+            self._ops.put_nowait(("renew", backend, ""))
+
+    # ------------------------------------------------------------------ the worker
+    async def worker(self) -> None:
+        """Releases and renewals, in order, pipelined in batches, retried until Redis answers.
+
+        One pipeline per batch keeps releases from falling behind a busy replica:
+        a burst of N releases costs one round trip, not N. The retry delay stays within
+        one refresh interval, so a replica re-registers its leases promptly once Redis
+        is back.
+        """
+        max_delay = min(1.0, max(0.05, self._refresh_s))
+        while True:
+            batch = [await self._ops.get()]
+            while len(batch) < 512 and not self._ops.empty():
+                batch.append(self._ops.get_nowait())
+            try:
+                delay = 0.05
+                while True:
+                    try:
+                        await self._run_batch(batch)
+                        self.set_reachable(True)
+                        break
+                    except CONNECTION_ERRORS as exc:
+                        self.set_reachable(False, exc)
+                        await asyncio.sleep(delay)
+                        delay = min(max_delay, delay * 2)
+            finally:
+                for _ in batch:
+                    self._ops.task_done()
+
+    async def _run_batch(self, batch: list[Op]) -> None:
+        assert self._client is not None
+        pipe = self._client.pipeline(transaction=False)
+        for kind, backend, lease_id in batch:
+            if kind == "release":
+                await self._release(keys=self._keys(backend),
+                                    args=[lease_id, self._channel, backend], client=pipe)
+            elif kind == "ready":
+                await self._ready(keys=self._keys(backend), args=[lease_id], client=pipe)
+            else:
+                await self._renew(keys=self._keys(backend), args=self._renew_args(backend),
+                                  client=pipe)
+        results = await pipe.execute()
+        for (kind, backend, _), result in zip(batch, results, strict=True):
+            if kind == "release":
+                self._resident[backend] = int(result[1])
+                continue
+            if kind == "ready":
+                continue
+            self._renew_pending.discard(backend)
+            self._renewed(backend, result)
+
+    def _renew_args(self, backend: str) -> list[Any]:
+        args: list[Any] = [self._ttl_ms, self._channel, backend, secrets.token_hex(8),
+                           int(self._window_s * 1000)]
+        for lease_id, live in list(self._live.items()):
+            if live.backend == backend:
+                args += [lease_id, live.own, live.refs, 1 if live.ready else 0]
+        return args
+
+    def _renewed(self, backend: str, result: list[Any]) -> None:
+        resident, reclaimed, readded = int(result[0]), int(result[1]), int(result[2])
+        epoch, left_ms, created = as_text(result[3]), int(result[4]), int(result[5])
+        drift, indexed = int(result[6]), int(result[7])
+        self._resident[backend] = resident
+        self.reclaimed_total += reclaimed
+        self.readded_total += readded
+        self._epoch[backend] = epoch
+        self._registered.add(backend)
+        self._rebuilding_until[backend] = time.monotonic() + max(0, left_ms) / 1000
+        if created:
+            self.rebuilds_total += 1
+            log.warning("shared ledger of %s had no epoch in Redis (its first start, or "
+                        "Redis lost its data): started epoch %s from this replica's %d live "
+                        "leases (%d tokens); no admission for %.1f s while the other "
+                        "replicas re-register theirs", backend, epoch, readded, resident,
+                        left_ms / 1000)
+        elif readded:
+            log.warning("re-added %d live leases on %s after Redis lost them", readded, backend)
+        self._drifted(backend, 0 if created else drift, indexed)
+
+    def _drifted(self, backend: str, drift: int, indexed: int) -> None:
+        if drift:
+            self.drift_fixed_total += abs(drift)
+            log.warning("resident counter of %s was %+d tokens off the sum of its leases: "
+                        "repaired", backend, -drift)
+        if indexed:
+            log.warning("%d leases on %s had lost their expiry: given one lease TTL",
+                        indexed, backend)
+
+    # ------------------------------------------------------------------ the refresh pass
+    async def maintain(self) -> None:
+        """Renew leases every ttl/3 (every pass while unreachable or rebuilding), else
+        reclaim expired ones, check the epoch and repair drift; refresh the resident view."""
+        renew_every_s = self._ttl_ms / 3000
+        since_renew = renew_every_s
+        was_available = self.available
+        while True:
+            if since_renew >= renew_every_s or not self.available:
+                for backend in self._backends:
+                    self._queue_renewal(backend)
+                since_renew = 0.0
+            else:
+                try:
+                    await self._reclaim_expired()
+                except CONNECTION_ERRORS as exc:
+                    self.set_reachable(False, exc)
+            if self.reachable and (not self._policy_checked_at or time.monotonic()
+                                   - self._policy_checked_at >= renew_every_s):
+                with contextlib.suppress(*CONNECTION_ERRORS):
+                    problem = await self.check_eviction_policy()
+                    self._policy_checked_at = time.monotonic()
+                    if problem is not None:
+                        # Too late to refuse to start: say it loudly; a lost lease hash
+                        # is still caught by the epoch and rebuilt.
+                        self._say_policy("unsafe", logging.ERROR, "%s", problem)
+            available = self.available
+            if available and not was_available and self.reachable:
+                log.warning("shared ledger admits again")
+            was_available = available
+            # Waiters re-check after each pass: this covers a lost pub/sub message.
+            self._notify_all()
+            await asyncio.sleep(self._refresh_s)
+            since_renew += self._refresh_s
+
+    async def _reclaim_expired(self) -> None:
+        """One pipelined pass: reclaim expired leases, check each backend's epoch, repair
+        drift, refresh the resident view."""
+        assert self._client is not None
+        pipe = self._client.pipeline(transaction=False)
+        for backend in self._backends:
+            await self._reclaim(keys=self._keys(backend),
+                                args=[self._channel, backend, self._ttl_ms], client=pipe)
+        results = await pipe.execute()
+        for backend, result in zip(self._backends, results, strict=True):
+            self._resident[backend] = int(result[0])
+            self.reclaimed_total += int(result[1])
+            if result[2] is None or as_text(result[2]) != self._epoch.get(backend):
+                self._lost(backend, gone=result[2] is None)
+                continue
+            self._rebuilding_until[backend] = time.monotonic() + max(0, int(result[3])) / 1000
+            self._drifted(backend, int(result[4]), int(result[5]))
+
+    # ------------------------------------------------------------------ the listener
+    async def listen(self) -> None:
+        """Release notices from every replica: refresh the resident view and wake waiters."""
+        while not self._closing():
+            try:
+                assert self._client is not None
+                pubsub = self._client.pubsub()
+                await pubsub.subscribe(self._channel)
+                try:
+                    while not self._closing():
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=0.2
+                        )
+                        if message is None:
+                            continue
+                        backend = message["data"].decode()
+                        value = await self._client.get(self._keys(backend)[0])
+                        self._resident[backend] = int(value or 0)
+                        for callback in self._listeners:
+                            callback(backend)
+                finally:
+                    # Bounded: closing a pub/sub connection mid-read can otherwise hang
+                    # a cancelled task (and with it, shutdown).
+                    with contextlib.suppress(*CONNECTION_ERRORS, TimeoutError):
+                        async with asyncio.timeout(1.0):
+                            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            except CONNECTION_ERRORS:
+                await asyncio.sleep(self._refresh_s)
