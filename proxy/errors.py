@@ -118,17 +118,25 @@ class ContextLengthExceeded(KvgateError):
     code = "context_length_exceeded"
     type = "invalid_request_error"
 
-    def __init__(self, *, max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
+    def __init__(self, *, max_model_len: int, prompt_tokens: int, max_tokens: int,
+                 counted_to: bool = False) -> None:
+        """`counted_to`: counting stopped once the prompt passed the context, so
+        `prompt_tokens` is a lower bound, not the prompt's count."""
         self.max_model_len = max_model_len
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
-        super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.",
-            param="messages",
-        )
+        if counted_to:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"the messages alone hold at least {prompt_tokens} tokens (kvgate stopped "
+                "counting there). Please reduce the length of the messages.")
+        else:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.")
+        super().__init__(message, param="messages")
 
 
 class MaxTokensRequired(KvgateError):

@@ -57,6 +57,7 @@ from proxy.reservation import (
 )
 from proxy.sharing import counted_with_blocks, scope_of
 from proxy.tokenize import CountFailed, PromptCounter, RenderedChat, TemplateError
+from proxy.tokenize.chunked import CountExceeded
 from proxy.validation import Endpoint, ValidRequest
 
 __all__ = ["Gate", "every"]
@@ -192,14 +193,22 @@ class Gate:
         if ask.prompt_tokens is not None:
             prompts = list(ask.prompt_tokens)
         else:
+            limit = self.config.max_model_len - 1  # a longer prompt leaves no room
             try:
-                shared = await self._count_shared(req) if sharing else None
+                shared = await self._count_shared(req, limit) if sharing else None
                 if shared is not None:
                     prompts, blocks = _nonempty([shared[0]]), shared[1]
                 elif rendered is not None:
-                    prompts = _nonempty([await self._counter.count_rendered_async(rendered)])
+                    prompts = _nonempty([await self._counter.count_rendered_async(
+                        rendered, limit)])
                 else:
-                    prompts = await self._count(req, ask.raw)
+                    prompts = await self._count(req, ask.raw, limit)
+            except CountExceeded as exc:  # counting stopped: it could never be admitted
+                self.metrics.counted(self.name, prompt_tokens=exc.at_least,
+                                     seconds=time.perf_counter() - t0)
+                raise ContextLengthExceeded(
+                    max_model_len=self.config.max_model_len, prompt_tokens=exc.at_least,
+                    max_tokens=0, counted_to=True) from None
             except CountFailed as exc:  # what no tokenizer here can count exactly
                 self.metrics.count_failed(self.name)
                 _log.warning("request %s: %s", record.request_id, exc)
@@ -341,8 +350,9 @@ class Gate:
             raise RuntimeError(f"model {self.name!r} has no counter: asks must come counted")
         return self.counter
 
-    async def _count(self, req: ValidRequest, raw: bytes) -> list[int]:
-        """Exact counts: in a count worker where they run, else in this process."""
+    async def _count(self, req: ValidRequest, raw: bytes, limit: int) -> list[int]:
+        """Exact counts: in a count worker where they run, else in this process (where
+        counting stops once a prompt passes `limit`: `CountExceeded`)."""
         counter, workers = self._counter, self.count_workers
         try:
             counts: list[int] | None = None
@@ -351,19 +361,21 @@ class Gate:
                 counts = await workers.count(req.endpoint, raw)
             if counts is None:
                 if req.chat is not None:
-                    counts = [await counter.count_chat_async(req.chat)]
+                    counts = [await counter.count_chat_async(req.chat, limit)]
                 else:
-                    counts = [await counter.count_prompt_async(p) for p in req.prompts]
+                    counts = [await counter.count_prompt_async(p, limit) for p in req.prompts]
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         return _nonempty(counts)
 
-    async def _count_shared(self, req: ValidRequest) -> tuple[int, tuple[str, ...]] | None:
+    async def _count_shared(self, req: ValidRequest, limit: int
+                            ) -> tuple[int, tuple[str, ...]] | None:
         """The exact count and block keys from one id stream (`proxy.sharing`): in a
         count worker where they run, else in this process."""
         try:
             return await counted_with_blocks(self._counter, req, self.config.block_size,
-                                             scope_of(self.name, req), self.count_workers)
+                                             scope_of(self.name, req), self.count_workers,
+                                             limit=limit)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
 

@@ -28,14 +28,15 @@ def scope_of(model: str, req: ValidRequest) -> str:
 
 
 async def counted_with_blocks(counter: PromptCounter, req: ValidRequest, block_tokens: int,
-                              scope: str, workers: CountWorkers | None = None,
-                              ) -> tuple[int, tuple[str, ...]] | None:
+                              scope: str, workers: CountWorkers | None = None, *,
+                              limit: int | None = None) -> tuple[int, tuple[str, ...]] | None:
     """The exact prompt count and its block keys, from one id stream: in a count worker
     where they run, else in this process (`TokenCounter.count_chat_keys_async`: a
     repeated segment's ids come from the count cache). None where there is nothing to
     share (several prompts or sequences, a counter without ids: Mistral's).
 
-    Raises as counting does: `TemplateError`, `CountFailed` (a tokenizer panic too)."""
+    Raises as counting does: `TemplateError`, `CountFailed` (a tokenizer panic too),
+    `CountExceeded` once the count passes `limit` in this process."""
     if req.n != 1 or (req.chat is None and len(req.prompts) != 1):
         return None
     if not isinstance(counter, TokenCounter):
@@ -49,6 +50,6 @@ async def counted_with_blocks(counter: PromptCounter, req: ValidRequest, block_t
         if counted is not None:
             return counted
     if req.chat is not None:
-        return await counter.count_chat_keys_async(req.chat, block_tokens, scope)
+        return await counter.count_chat_keys_async(req.chat, block_tokens, scope, limit)
     assert prompt is not None
-    return await counter.count_prompt_keys_async(prompt, block_tokens, scope)
+    return await counter.count_prompt_keys_async(prompt, block_tokens, scope, limit)

@@ -140,7 +140,7 @@ def _optional_list_of_objects(body: Mapping[str, Any], key: str) -> list[dict[st
     return value
 
 
-def _chat(body: Mapping[str, Any]) -> ChatRequest:
+def _chat(body: Mapping[str, Any], source_bytes: int = 0) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise _fail("`chat_template_kwargs` must be an object", "chat_template_kwargs")
@@ -160,6 +160,7 @@ def _chat(body: Mapping[str, Any]) -> ChatRequest:
         add_generation_prompt=add_gen,
         template_kwargs=kwargs,
         continue_final_message=cont,
+        source_bytes=source_bytes,
     )
 
 
@@ -345,7 +346,7 @@ def validate(raw: bytes, endpoint: Endpoint) -> ValidRequest:
         n_predict=_int_field(body, "n_predict", minimum=-1),
         min_tokens=_int_field(body, "min_tokens", minimum=0) or 0,
         ignore_eos=bool(ignore_eos),
-        chat=_chat(body) if chat else None,
+        chat=_chat(body, source_bytes=len(raw)) if chat else None,
         prompts=() if chat else _prompts(body.get("prompt")),
         body=body,
     )

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from proxy.tokenize.cache import CacheStats
+    from proxy.tokenize.chunked import Cuts
 
 __all__ = ["ChatRequest", "Encoder", "PromptCounter", "RenderedChat", "TemplateError",
            "TokenizerLoadError"]
@@ -28,6 +29,7 @@ class Encoder(Protocol):
     description: str
     fast: bool
     bound_description: str  # what `max_rendered_tokens` bounds, for `kvgate check-config`
+    cuts: Cuts | None  # where a long segment may be cut with its ids unchanged
 
     def encode_plain(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
     def encode_rendered(self, text: str) -> list[int]: ...
@@ -39,6 +41,17 @@ class Encoder(Protocol):
         """A true upper bound on `len(encode_rendered(text))`, found without encoding
         (UTF-8 bytes, where every token covers at least one byte of the text); None
         where no such bound is proven for this tokenizer or this text."""
+        ...
+
+    def plain_parts(self, text: str) -> tuple[list[str | int], int | None] | None:
+        """`encode_plain(text, add_special_tokens=True)` as parts for `encode_segment`
+        (ids as int) and the BOS id put first where the first id is not it; None where
+        a plain prompt is counted in one call."""
+        ...
+
+    def min_rendered_tokens(self, text: str) -> int:
+        """A true lower bound on `len(encode_rendered(text))` from its length alone
+        (`proxy.tokenize.chunked.floor_tokens`); 0 where none is proven."""
         ...
 
 
@@ -62,6 +75,8 @@ class ChatRequest:
     # The final (assistant) message is continued, not closed: rendered without the end
     # of its turn and without a generation prompt (transformers' and vLLM's option).
     continue_final_message: bool = False
+    # The size of the body it came from: a large one is rendered in the thread pool.
+    source_bytes: int = field(default=0, compare=False)
 
     def as_llama_cpp_reads(self) -> ChatRequest:
         """llama.cpp continues a final assistant message (its `prefill_assistant`, on by
@@ -92,7 +107,10 @@ class PromptCounter(Protocol):
 
     def count_prompt(self, prompt: str | Sequence[int]) -> int: ...
 
-    async def count_chat_async(self, chat: ChatRequest) -> int: ...
+    async def count_chat_async(self, chat: ChatRequest, limit: int | None = None) -> int:
+        """`limit`: the most prompt tokens that could ever be admitted; a counter may
+        stop once the count passes it (`CountExceeded`), or count on."""
+        ...
 
     def render_for_count(self, chat: ChatRequest) -> RenderedChat | None:
         """The rendered chat and its token bound, cheaply on the event loop; None where
@@ -100,9 +118,11 @@ class PromptCounter(Protocol):
         inline. Raises `TemplateError` as `count_chat` would."""
         ...
 
-    async def count_rendered_async(self, rendered: RenderedChat) -> int:
+    async def count_rendered_async(self, rendered: RenderedChat,
+                                   limit: int | None = None) -> int:
         """Exactly `count_chat_async` of the chat `rendered` came from."""
         ...
 
-    async def count_prompt_async(self, prompt: str | Sequence[int]) -> int: ...
+    async def count_prompt_async(self, prompt: str | Sequence[int],
+                                 limit: int | None = None) -> int: ...
 

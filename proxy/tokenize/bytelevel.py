@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from proxy.tokenize.chunked import Cuts, cuts_for, floor_tokens
 from proxy.tokenize.encoders import HFEncoder, SpecialSplitter
 from proxy.tokenize.guard import (
     LONG_RUN,
@@ -296,6 +297,9 @@ class ByteLevelBPEEncoder:
         self._normalize = reference.tokenizer.normalizer.normalize_str if plan.nfc else None
         self._plain_adds_tokens = plan.plain_adds_tokens
         self.splitter = splitter
+        self.cuts: Cuts | None = cuts_for(plan.pattern, plan.pre_splits)
+        self._longest = max(max(map(len, plan.ranks), default=1), splitter.longest)
+        self._nfc = plan.nfc
         self.description = "fast byte-level BPE (tiktoken core), checked against tokenizers"
         self.bound_description = ("UTF-8 bytes of the rendered chat"
                                   + (", ASCII text only (NFC)" if plan.nfc else ""))
@@ -378,6 +382,10 @@ class ByteLevelBPEEncoder:
             return len(text.encode("utf-8", "surrogatepass"))
         return None
 
+    def min_rendered_tokens(self, text: str) -> int:
+        """`floor_tokens`: the vocab's longest entry, or added token, per id."""
+        return floor_tokens(text, longest_token_chars=self._longest, nfc=self._nfc)
+
     def encode_rendered(self, text: str) -> list[int]:
         ids: list[int] = []
         for part in self.splitter.split(text):
@@ -386,6 +394,14 @@ class ByteLevelBPEEncoder:
             else:
                 ids += self.encode_segment(part)
         return ids
+
+    def plain_parts(self, text: str) -> tuple[list[str | int], int | None] | None:
+        """`encode_plain(text, add_special_tokens=True)` as parts to encode in turn and
+        the BOS id put first where the first id is not it; None where the reference's
+        post-processor adds tokens (it counts such a prompt in one call)."""
+        if self._plain_adds_tokens:
+            return None
+        return self.splitter.split(text), self._ref.force_bos
 
     def encode_plain(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if add_special_tokens and self._plain_adds_tokens:

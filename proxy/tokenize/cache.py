@@ -32,11 +32,15 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from proxy.prefix_blocks import ID_BYTES, KeyChain
 from proxy.tokenize.guard import CountFailed, is_panic
 
-__all__ = ["CacheStats", "CountCache", "IdPart", "SegmentCounter", "SegmentIds"]
+if TYPE_CHECKING:
+    from proxy.tokenize.chunked import Cuts
+
+__all__ = ["CacheStats", "Chunk", "CountCache", "IdPart", "SegmentCounter", "SegmentIds"]
 
 MIN_CACHED_CHARS = 64
 MAX_CHAINS = 8  # start states remembered per cached segment (scopes, positions)
@@ -175,6 +179,16 @@ class CountCache:
                               size_bytes=self._size_bytes, entries=len(self._entries))
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk of a long segment, encoded (`SegmentCounter.encode_chunk`)."""
+
+    count: int
+    first: int | None  # its first id (a plain prompt's BOS rule reads it)
+    end: int  # where the next chunk starts
+    data: bytes | None  # its ids as `array("I")` bytes, where asked for
+
+
 class SegmentCounter:
     """Counts rendered text segment by segment, through the cache where it helps.
 
@@ -229,6 +243,30 @@ class SegmentCounter:
     def count(self, text: str) -> int:
         known, todo = self.plan(text)
         return known + self.finish(todo)
+
+    def encode_chunk(self, segment: str, start: int, cuts: Cuts | None, size: int,
+                     as_bytes: bool) -> Chunk:
+        """The chunk of `segment` from `start` to the first cut at or after
+        `start + size` (its end where there is none), encoded; failures as `finish`'s."""
+        end = len(segment)
+        if cuts is not None and start + size < end:
+            end = cuts.next_cut(segment, start + size) or end
+        ids = self._encoded(segment if start == 0 and end == len(segment)
+                            else segment[start:end])
+        return Chunk(count=len(ids), first=ids[0] if ids else None, end=end,
+                     data=array("I", ids).tobytes() if as_bytes else None)
+
+    def remember(self, segment: str, count: int) -> None:
+        """A segment counted chunk by chunk, as `finish` would have remembered it."""
+        if self.cache is not None and len(segment) >= MIN_CACHED_CHARS:
+            self.cache.put(segment, count)
+
+    def encoded_part(self, segment: str, data: bytes) -> IdPart:
+        """A segment encoded chunk by chunk (its ids as bytes), as `finish_keys` would
+        have remembered it: a cache entry where long, else the ids alone."""
+        if self.cache is not None and len(segment) >= MIN_CACHED_CHARS:
+            return segment, self.cache.put_ids(segment, data)
+        return data
 
     def plan_ids(self, text: str) -> tuple[list[IdPart], int]:
         """-> (the id stream's parts in order: special tokens' ids as `array("I")`

@@ -32,6 +32,7 @@ from proxy.tokenize.base import (
 from proxy.tokenize.cache import DEFAULT_CACHE_BYTES, CacheStats, CountCache, SegmentCounter
 from proxy.tokenize.encoders import run_cutter, tiktoken_failure
 from proxy.tokenize.guard import LONG_RUN, CountFailed, RunCutter, is_panic, whitespace_runs
+from proxy.tokenize.long_text import LongText
 from proxy.tokenize.templates import (
     ChatTemplate,
     ContentFormat,
@@ -53,6 +54,9 @@ INLINE_MESSAGES = 64
 # rendered prompt longer than this goes to the pool whole (about 0.1 ms of splitting
 # for DeepSeek V3's 818 added tokens; a prompt of megabytes would hold the loop).
 INLINE_RENDERED_CHARS = 65_536
+# A chat from a body larger than this renders in the pool: its template may take long
+# (the template serialises every tool; 4 MB of tools took seconds on the loop).
+INLINE_BODY_BYTES = 65_536
 
 # Block keys of at most this many tokens are hashed inline (~0.6 ms), longer in the pool.
 INLINE_KEYED_TOKENS = 16_384
@@ -80,11 +84,12 @@ class _OffLoop:
     def count_prompt(self, prompt: str | Sequence[int]) -> int:
         raise NotImplementedError
 
-    async def count_chat_async(self, chat: ChatRequest) -> int:
+    async def count_chat_async(self, chat: ChatRequest, limit: int | None = None) -> int:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(count_executor(), self.count_chat, chat)
 
-    async def count_prompt_async(self, prompt: str | Sequence[int]) -> int:
+    async def count_prompt_async(self, prompt: str | Sequence[int],
+                                 limit: int | None = None) -> int:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(count_executor(), self.count_prompt, prompt)
 
@@ -109,6 +114,7 @@ class TokenCounter(_OffLoop):
             cache=CountCache(cache_bytes) if cache_bytes > 0 else None,
         )
         self._inline_chars = INLINE_NEW_CHARS if encoder.fast else INLINE_NEW_CHARS // 16
+        self._long = LongText(encoder, self._segments, count_executor)
         self._templates: dict[str, str] = (
             chat_template
             if isinstance(chat_template, dict)
@@ -219,33 +225,46 @@ class TokenCounter(_OffLoop):
     def count_chat(self, chat: ChatRequest) -> int:
         return self._segments.count(self.render_chat(chat))
 
-    async def count_chat_async(self, chat: ChatRequest) -> int:
+    async def count_chat_async(self, chat: ChatRequest, limit: int | None = None) -> int:
         """Short work inline, long work in the pool (see `INLINE_RENDERED_CHARS`)."""
-        if len(chat.messages) > INLINE_MESSAGES:
-            return await super().count_chat_async(chat)
-        return await self._count_rendered(self.render_chat(chat))
+        return await self._count_rendered(await self._rendered(chat), limit)
+
+    def _renders_inline(self, chat: ChatRequest) -> bool:
+        """A few messages from a small body: rendering takes well under a millisecond.
+        A large body (4 MB of tools costs seconds in the template) renders in the pool."""
+        return len(chat.messages) <= INLINE_MESSAGES and chat.source_bytes <= INLINE_BODY_BYTES
+
+    async def _rendered(self, chat: ChatRequest) -> str:
+        if self._renders_inline(chat):
+            return self.render_chat(chat)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(count_executor(), self.render_chat, chat)
 
     def render_for_count(self, chat: ChatRequest) -> RenderedChat | None:
-        if len(chat.messages) > INLINE_MESSAGES:
+        if not self._renders_inline(chat):
             return None  # rendered in the pool by `count_chat_async`
         text = self.render_chat(chat)
         return RenderedChat(text, self._encoder.max_rendered_tokens(text))
 
-    async def count_rendered_async(self, rendered: RenderedChat) -> int:
-        return await self._count_rendered(rendered.text)
+    async def count_rendered_async(self, rendered: RenderedChat,
+                                   limit: int | None = None) -> int:
+        return await self._count_rendered(rendered.text, limit)
 
-    async def _count_rendered(self, rendered: str) -> int:
-        loop = asyncio.get_running_loop()
+    async def _count_rendered(self, rendered: str, limit: int | None = None) -> int:
         if len(rendered) > INLINE_RENDERED_CHARS:
-            return await loop.run_in_executor(count_executor(), self._segments.count, rendered)
+            return await self._long.count_rendered(rendered, limit)
+        loop = asyncio.get_running_loop()
         known, todo = self._segments.plan(rendered)
         if sum(map(len, todo)) <= self._inline_chars:
             return known + self._segments.finish(todo)
         return known + await loop.run_in_executor(count_executor(), self._segments.finish, todo)
 
-    async def count_prompt_async(self, prompt: str | Sequence[int]) -> int:
+    async def count_prompt_async(self, prompt: str | Sequence[int],
+                                 limit: int | None = None) -> int:
         if not isinstance(prompt, str) or len(prompt) <= self._inline_chars:
             return self.count_prompt(prompt)
+        if len(prompt) > INLINE_RENDERED_CHARS:
+            return await self._long.count_plain(prompt, limit, self.count_prompt)
         return await super().count_prompt_async(prompt)
 
     def count_prompt(self, prompt: str | Sequence[int]) -> int:
@@ -281,18 +300,14 @@ class TokenCounter(_OffLoop):
         return _keyed(data, block_tokens, scope)
 
     async def count_chat_keys_async(self, chat: ChatRequest, block_tokens: int,
-                                    scope: str) -> Keyed:
+                                    scope: str, limit: int | None = None) -> Keyed:
         """`count_chat_keys`: inline where little is new (what `count_chat_async` does
         inline, and the keys of at most `INLINE_KEYED_TOKENS`), else in the pool."""
         loop = asyncio.get_running_loop()
-        if len(chat.messages) > INLINE_MESSAGES:
-            return await loop.run_in_executor(count_executor(), self.count_chat_keys, chat,
-                                              block_tokens, scope)
-        rendered = self.render_chat(chat)
+        rendered = await self._rendered(chat)
         segments = self._segments
         if len(rendered) > INLINE_RENDERED_CHARS:
-            return await loop.run_in_executor(count_executor(), segments.keys, rendered,
-                                              block_tokens, scope)
+            return await self._long.keys_rendered(rendered, block_tokens, scope, limit)
         parts, size = segments.plan_ids(rendered)
         new_chars = sum(len(p) for p in parts if isinstance(p, str))
         if new_chars <= self._inline_chars and size <= INLINE_KEYED_TOKENS:
@@ -301,10 +316,13 @@ class TokenCounter(_OffLoop):
                                           block_tokens, scope)
 
     async def count_prompt_keys_async(self, prompt: str | Sequence[int], block_tokens: int,
-                                      scope: str) -> Keyed:
+                                      scope: str, limit: int | None = None) -> Keyed:
         if len(prompt) <= (self._inline_chars if isinstance(prompt, str)
                            else INLINE_KEYED_TOKENS):
             return self.count_prompt_keys(prompt, block_tokens, scope)
+        if isinstance(prompt, str) and len(prompt) > INLINE_RENDERED_CHARS:
+            return await self._long.keys_plain(prompt, block_tokens, scope, limit,
+                                               self._plain_ids)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(count_executor(), self.count_prompt_keys, prompt,
                                           block_tokens, scope)
@@ -385,7 +403,8 @@ class MistralTokenCounter(_OffLoop):
     def render_for_count(self, chat: ChatRequest) -> RenderedChat | None:
         return None  # mistral-common renders and encodes in one step
 
-    async def count_rendered_async(self, rendered: RenderedChat) -> int:
+    async def count_rendered_async(self, rendered: RenderedChat,
+                                   limit: int | None = None) -> int:
         raise TypeError("MistralTokenCounter renders nothing apart: use count_chat_async")
 
     def count_prompt(self, prompt: str | Sequence[int]) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.tokenize.base import TokenizerLoadError
+from proxy.tokenize.chunked import Cuts, cuts_for, floor_tokens
 from proxy.tokenize.guard import (
     LONG_RUN,
     PATTERNS,
@@ -84,6 +85,7 @@ class SpecialSplitter:
     def __init__(self, tokens: Mapping[str, int]) -> None:
         self._ids = {t: i for t, i in tokens.items() if t}
         self._re = re.compile(_trie_pattern(list(self._ids))) if self._ids else None
+        self.longest = max(map(len, self._ids), default=0)  # characters of one added token
 
     def split(self, text: str) -> list[str | int]:
         """Plain-text segments (non-empty `str`) and special token ids (`int`), in order."""
@@ -173,6 +175,8 @@ class HFEncoder:
         self.description = "tokenizers"
         self.bound_description = "none (counted before admission)"
         self.fast = False
+        # Normalizers and pre-tokenizers vary: no cut and no floor is claimed.
+        self.cuts: Cuts | None = None
         added = hf_added_tokens(tokenizer_json) if tokenizer_json is not None else None
         # Without the token table (or with stripping added tokens, or a tokenizer
         # whose segments are not independent) the text is one segment: counts stay
@@ -252,6 +256,12 @@ class HFEncoder:
         # may grow text): no bound is claimed, the exact count decides.
         return None
 
+    def min_rendered_tokens(self, text: str) -> int:
+        return 0
+
+    def plain_parts(self, text: str) -> tuple[list[str | int], int | None] | None:
+        return None  # no cuts: a plain prompt is counted in one call
+
     def token_id(self, token: str) -> int | None:
         tid: int | None = self._tok.token_to_id(token)
         return tid
@@ -322,6 +332,7 @@ class TiktokenEncoder:
             self._special = _special_ids(self._enc)
             self.splitter = SpecialSplitter(self._special)
             self._cutter = run_cutter(self._enc)
+            self._chunking()
             return
         real_loader = openai_public.load_tiktoken_bpe
 
@@ -354,6 +365,13 @@ class TiktokenEncoder:
         # them separately: splitting first gives the same ids.
         self.splitter = SpecialSplitter(self._special)
         self._cutter = run_cutter(self._enc)
+        self._chunking()
+
+    def _chunking(self) -> None:
+        """Where long segments may be cut (`Cuts`), and the longest text one id covers."""
+        self.cuts = cuts_for(getattr(self._enc, "_pat_str", ""))
+        ranks: Mapping[bytes, int] = getattr(self._enc, "_mergeable_ranks", {})
+        self._longest = max(max(map(len, ranks), default=0), self.splitter.longest)
 
     @staticmethod
     def _from_cache(name: str) -> Any:
@@ -432,6 +450,15 @@ class TiktokenEncoder:
         # Byte-level BPE without a normalizer: each token is at least one byte of the
         # text, and a special token's text is longer than its one id.
         return len(text.encode("utf-8", "surrogatepass"))
+
+    def plain_parts(self, text: str) -> tuple[list[str | int], int | None] | None:
+        # `encode_plain` takes special-token text as plain text, and adds no BOS.
+        return ([text] if text else []), None
+
+    def min_rendered_tokens(self, text: str) -> int:
+        if not self._longest:
+            return 0
+        return floor_tokens(text, longest_token_chars=self._longest, nfc=False)
 
     def split_rendered(self, text: str) -> list[str | int]:
         return self.splitter.split(text)
