@@ -19,7 +19,8 @@ each as a ratio to the phases without it run just before. Acceptance (the hostil
 clients issue): >= 80% of the throughput kept and p99 under 50 ms.
 
     .venv/bin/python -m benchmarks.bench_hostile [--seconds 8] [--concurrency 4] \
-        [--prefix-sharing auto|off] [--kinds unique-text,spaces,many-prompts,tools]
+        [--prefix-sharing auto|off] [--kinds unique-text,spaces,many-prompts,tools] \
+        [--max-model-len 131072]
 """
 
 from __future__ import annotations
@@ -140,9 +141,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--prefix-sharing", choices=["auto", "off"], default="auto")
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--max-model-len", type=int, default=131072,
+                        help="the context (8192 refuses every 4 MB prompt from its length "
+                        "alone, before counting; 131072 makes kvgate count some of it)")
     args = parser.parse_args()
-    with kvgate_before_sim(decode_step_ms=1.0,
-                           model={"prefix_sharing": args.prefix_sharing}) as (_, proxy_url):
+    print(f"max_model_len {args.max_model_len}, prefix sharing {args.prefix_sharing}")
+    with kvgate_before_sim(decode_step_ms=1.0, model={"prefix_sharing": args.prefix_sharing},
+                           max_model_len=args.max_model_len) as (_, proxy_url):
         asyncio.run(compare(proxy_url, args))
 
 if __name__ == "__main__":

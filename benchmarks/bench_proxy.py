@@ -115,8 +115,8 @@ async def compare(direct: str, proxied: str, args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
-def kvgate_before_sim(*, decode_step_ms: float,
-                      model: dict[str, object] | None = None) -> Iterator[tuple[str, str]]:
+def kvgate_before_sim(*, decode_step_ms: float, model: dict[str, object] | None = None,
+                      max_model_len: int = 8192) -> Iterator[tuple[str, str]]:
     """A simulated backend with room to spare and kvgate in front, each its own process;
     -> (the backend's URL, kvgate's)."""
     sim_port, proxy_port = free_port(), free_port()
@@ -127,14 +127,15 @@ def kvgate_before_sim(*, decode_step_ms: float,
         config.write_text(tomli_w.dumps({
             "server": {"listen": f"127.0.0.1:{proxy_port}"},
             "queue": {"max_depth": 1024},
-            "models": [{"name": "qwen3-14b", "path": str(MODEL_DIR), "max_model_len": 8192,
+            "models": [{"name": "qwen3-14b", "path": str(MODEL_DIR),
+                        "max_model_len": max_model_len,
                         "deployment": {"kv_tokens": 1_000_000},
                         "backends": [{"name": "sim", "url": sim_url}], **(model or {})}],
         }))
         with process(["sim", "--port", str(sim_port), "--kv-tokens", "1000000",
                       "--model", "qwen3-14b", "--model-dir", str(MODEL_DIR),
                       "--output-len", "max", "--decode-step-ms", str(decode_step_ms),
-                      "--max-model-len", "8192"], sim_port, Path(tmp) / "sim.log"), \
+                      "--max-model-len", str(max_model_len)], sim_port, Path(tmp) / "sim.log"), \
                 process(["serve", "--config", str(config)], proxy_port,
                         Path(tmp) / "kvgate.log"):
             yield sim_url, proxy_url
