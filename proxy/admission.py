@@ -31,7 +31,7 @@ from proxy.deadlines import passed_wait_s, predict_waits
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
-from proxy.recent_blocks import RecentBlocks
+from proxy.prefix_view import PrefixView
 from proxy.release_rate import ReleaseRate
 
 __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "controller_for"]
@@ -96,7 +96,8 @@ class AdmissionController:
         self._dispatch_again = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.release_rate = ReleaseRate()
-        self._recent: dict[str, RecentBlocks] = {}  # per backend: `proxy.recent_blocks`
+        # per backend, how much of a demand's prefix it holds (`proxy.prefix_view`)
+        self.prefixes = PrefixView(ledger)
         self._on_event = on_event or (lambda _kind, _lease: None)
         # Adaptive reservation: what a followed demand should hold now. A waiter sized
         # by the cold-start rule is sized anew from the history once there is one.
@@ -177,32 +178,21 @@ class AdmissionController:
             room -= self.growth_reserve(backend, demand)
         return max(0, room)
 
-    def rooms(self, demand: Demand | None = None) -> list[BackendRoom]:
-        return [
-            BackendRoom(
-                name=b.name,
-                capacity_tokens=self._admission_room(b, demand),
-                resident_tokens=self._ledger.resident(b.name),
-                shared_tokens=(shared := self._shared_on(b, demand)),
-                cached_tokens=self._cached_on(b, demand, shared),
-            )
-            for b in self.backends
-            if b.healthy
-        ]
-
-    def _cached_on(self, backend: Backend, demand: Demand | None, shared: int) -> int:
-        """Tokens of `demand`, past the `shared` ones, its engine probably still caches."""
-        recent = self._recent.get(backend.name)
-        if demand is None or not demand.blocks or recent is None or not backend.shares_prefixes:
-            return 0
-        start = shared // demand.block_tokens
-        return demand.block_tokens * recent.leading(demand.blocks, start)
-
-    def _shared_on(self, backend: Backend, demand: Demand | None) -> int:
-        """Tokens of `demand` that ready blocks already on `backend` would cover."""
-        if demand is None or not demand.blocks or not backend.shares_prefixes:
-            return 0
-        return demand.block_tokens * self._ledger.ready_blocks(backend.name, demand.blocks)
+    def rooms(self, demand: Demand | None = None, *,
+              owner: object | None = None) -> list[BackendRoom]:
+        """Each healthy backend's room for `demand`; `owner` (a waiter) lets the prefix
+        figures be remembered between dispatch passes (`proxy.prefix_view`)."""
+        rooms = []
+        for b in self.backends:
+            if not b.healthy:
+                continue
+            capacity = self._admission_room(b, demand)
+            resident = self._ledger.resident(b.name)
+            shared, cached = self.prefixes.held(b, demand, owner)
+            rooms.append(BackendRoom(name=b.name, capacity_tokens=capacity,
+                                     resident_tokens=resident, shared_tokens=shared,
+                                     cached_tokens=cached))
+        return rooms
 
     def _predicted(self, order: list[_Waiter], now: float,
                    extra: tuple[Demand, float] | None = None) -> list[tuple[float, bool]] | None:
@@ -318,6 +308,7 @@ class AdmissionController:
         """Every waiter leaves through here, so the release rate knows when the queue
         was empty: releases then measure traffic, not the pool."""
         self._waiters.remove(waiter)
+        self.prefixes.forget(waiter)
         if not self._waiters:
             self.release_rate.set_busy(False)
 
@@ -357,8 +348,9 @@ class AdmissionController:
         return lease
 
     # ------------------------------------------------------------------ placing
-    async def _try_place(self, demand: Demand) -> Lease | None:
-        for name in rank_backends(self.rooms(demand), demand.tokens, self._placement):
+    async def _try_place(self, demand: Demand, owner: object | None = None) -> Lease | None:
+        for name in rank_backends(self.rooms(demand, owner=owner), demand.tokens,
+                                  self._placement):
             backend = self._by_name[name]
             if not backend.slot_free:
                 continue  # the engine would queue it inside, behind its busy slots
@@ -415,19 +407,14 @@ class AdmissionController:
         """Its blocks are in the engine's cache now: free to share, so a waiter that
         brings the same prefix may cost less."""
         self._ledger.mark_ready(lease.lease_id)
+        self.prefixes.answered(lease)
         self.kick()
 
     def _released(self, lease: Lease) -> None:
-        d = lease.demand
-        if d.blocks and lease.was_answered and lease.backend.shares_prefixes:
-            recent = self._recent.get(lease.backend.name)
-            if recent is None:
-                recent = self._recent[lease.backend.name] = RecentBlocks(
-                    lease.backend.capacity_tokens // d.block_tokens)
-            recent.remember(d.blocks)
         lease.backend._inflight -= 1
         self._short.pop(lease.lease_id, None)
         self._ledger.release(lease.lease_id)
+        self.prefixes.released(lease)
         self.release_rate.record(lease.tokens)
         self._on_event("release", lease)
         self.kick()
@@ -473,7 +460,7 @@ class AdmissionController:
             if waiter.fut.done():
                 continue
             try:
-                lease = await self._try_place(waiter.demand)
+                lease = await self._try_place(waiter.demand, waiter)
             except LedgerUnavailable as exc:
                 self._fail_all(exc)
                 return
