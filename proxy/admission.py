@@ -22,9 +22,8 @@ import itertools
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 
-from policies.ordering import Ordering, WaiterView, class_rank, make_ordering
+from policies.ordering import Ordering, make_ordering
 from policies.placement import BackendRoom, PlacementName, rank_backends
 from proxy.config import QueueConfig
 from proxy.deadlines import passed_wait_s, predict_waits
@@ -33,6 +32,7 @@ from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
 from proxy.prefix_view import PrefixView
 from proxy.release_rate import ReleaseRate
+from proxy.waiting_room import Waiter, WaitingRoom
 
 __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "controller_for"]
 
@@ -45,22 +45,6 @@ _LEASE_PREFIX = secrets.token_hex(8)
 # 948 -> 1,012 and 602 -> 739 against refusing only at the deadline. Refusing on the
 # predicted wait x 1.5 (or 2) refused requests that would have made it: 788 (775).
 _lease_seq = itertools.count(1)
-
-
-class _Waiter:
-    __slots__ = ("deadline", "demand", "fut", "view")
-
-    def __init__(self, view: WaiterView, demand: Demand, fut: asyncio.Future[Lease],
-                 deadline: float) -> None:
-        self.view: WaiterView = view
-        self.demand: Demand = demand
-        self.fut = fut
-        self.deadline = deadline
-
-    def resize(self, tokens: int) -> None:
-        if tokens != self.demand.tokens:
-            self.demand = replace(self.demand, tokens=tokens)
-            self.view = replace(self.view, demand_tokens=tokens)
 
 
 class AdmissionController:
@@ -88,10 +72,9 @@ class AdmissionController:
         self._ordering = ordering
         self._placement = placement
         self._max_depth = max_queue_depth
-        self._class_depths = dict(max_depth_by_priority or {})
         self._starvation_s = starvation_s
-        self._waiters: list[_Waiter] = []
-        self._seq = itertools.count()
+        self._room = WaitingRoom(ordering, max_depth=max_queue_depth,
+                                 class_depths=max_depth_by_priority)
         self._dispatching = False
         self._dispatch_again = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -118,13 +101,13 @@ class AdmissionController:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._waiters)
+        return len(self._room)
 
     def oldest_wait_s(self, now: float) -> float:
-        return max((now - w.view.arrival for w in self._waiters), default=0.0)
+        return self._room.oldest_wait_s(now)
 
     def queued_tokens(self) -> int:
-        return sum(w.demand.tokens for w in self._waiters)
+        return self._room.queued_tokens()
 
     @property
     def max_capacity_tokens(self) -> int:
@@ -194,7 +177,7 @@ class AdmissionController:
                                      cached_tokens=cached))
         return rooms
 
-    def _predicted(self, order: list[_Waiter], now: float,
+    def _predicted(self, order: list[Waiter], now: float,
                    extra: tuple[Demand, float] | None = None) -> list[tuple[float, bool]] | None:
         """`predict_waits` over the waiters in `order` (and `extra`, a newcomer behind
         those the ordering puts ahead of it, whose wait is stretched by the smaller
@@ -237,41 +220,29 @@ class AdmissionController:
                 "it can never be admitted",
                 param="max_tokens",
             )
-        if not self._waiters:
+        if not self._room:
             lease = await self._admit_now(demand)
             if lease is not None:
                 return lease
-        class_depth = self._class_depths.get(demand.priority)
-        if class_depth is not None and self._waiting_in(demand.priority) >= class_depth:
+        if (class_depth := self._room.class_full(demand.priority)) is not None:
             raise QueueFull(
                 f"queue for model {self.model!r} holds its most of class "
                 f"{demand.priority!r} ({class_depth} waiting)",
                 retry_after_s=self.retry_after_s(demand.tokens),
             )
-        if len(self._waiters) >= self._max_depth and not self._make_room_for(demand):
+        if self._room.full and not self._make_room_for(demand):
             raise QueueFull(
                 f"queue for model {self.model!r} is full ({self._max_depth} waiting)",
                 retry_after_s=self.retry_after_s(demand.tokens),
             )
         arrival = loop.time()
-        mine = self._ordering.key(WaiterView(
-            seq=1 << 62, arrival=arrival, demand_tokens=demand.tokens,  # behind its equals
-            priority=demand.priority, tenant=demand.tenant), arrival)
-        ahead = sorted((w for w in self._waiters if not w.fut.done()
-                        and self._ordering.key(w.view, arrival) < mine),
-                       key=lambda w: self._ordering.key(w.view, arrival))
-        predicted = self._predicted(ahead, arrival, (demand, deadline))
+        predicted = self._predicted(self._room.ahead_of(demand, arrival), arrival,
+                                    (demand, deadline))
         if predicted is not None and not predicted[-1][1]:
             raise self._predicted_late(demand, predicted[-1][0], deadline - arrival)
         self.release_rate.queued(demand.tokens)
-        view = WaiterView(
-            seq=next(self._seq),
-            arrival=arrival,
-            demand_tokens=demand.tokens,
-            priority=demand.priority,
-            tenant=demand.tenant,
-        )
-        waiter = _Waiter(view, demand, loop.create_future(), deadline)
+        waiter = Waiter(self._room.next_view(demand, arrival), demand, loop.create_future(),
+                        deadline)
         self._enqueue(waiter)
         self.kick()
         handed_over = False
@@ -288,7 +259,7 @@ class AdmissionController:
                 retry_after_s=self.retry_after_s(demand.tokens),
             ) from None
         finally:
-            if waiter in self._waiters:
+            if waiter in self._room:
                 self._dequeue(waiter)
                 self.kick()  # a blocking head may have left
             fut = waiter.fut
@@ -300,30 +271,24 @@ class AdmissionController:
             ):
                 fut.result().release()  # a grant raced the cancel or the deadline
 
-    def _enqueue(self, waiter: _Waiter) -> None:
-        self._waiters.append(waiter)
+    def _enqueue(self, waiter: Waiter) -> None:
+        self._room.add(waiter)
         self.release_rate.set_busy(True)
 
-    def _dequeue(self, waiter: _Waiter) -> None:
+    def _dequeue(self, waiter: Waiter) -> None:
         """Every waiter leaves through here, so the release rate knows when the queue
-        was empty: releases then measure traffic, not the pool."""
-        self._waiters.remove(waiter)
+        was empty (releases then measure traffic, not the pool), and the prefix view
+        forgets its figures."""
+        self._room.remove(waiter)
         self.prefixes.forget(waiter)
-        if not self._waiters:
+        if not self._room:
             self.release_rate.set_busy(False)
 
-    def _waiting_in(self, priority: str) -> int:
-        return sum(1 for w in self._waiters if w.demand.priority == priority)
-
     def _make_room_for(self, demand: Demand) -> bool:
-        """A full queue refuses its newest waiter of the lowest class below `demand`'s,
-        so that a flood of low priority cannot take the room of high. -> room made."""
-        rank = class_rank(demand.priority)
-        lower = [w for w in self._waiters
-                 if class_rank(w.demand.priority) > rank and not w.fut.done()]
-        if not lower:
+        """A full queue refuses the waiter `WaitingRoom.victim_for` names. -> room made."""
+        victim = self._room.victim_for(demand.priority)
+        if victim is None:
             return False
-        victim = max(lower, key=lambda w: (class_rank(w.demand.priority), w.view.seq))
         self._dequeue(victim)
         victim.fut.set_exception(QueueFull(
             f"queue for model {self.model!r} is full: a request of a higher class took "
@@ -334,7 +299,7 @@ class AdmissionController:
     async def try_acquire(self, demand: Demand) -> Lease | None:
         """A lease at once if nobody waits and a healthy backend has room, else None;
         never queues and never refuses (the caller goes on to `acquire`)."""
-        if self._waiters or demand.tokens > self.max_capacity_tokens:
+        if self._room or demand.tokens > self.max_capacity_tokens:
             return None
         return await self._admit_now(demand)
 
@@ -342,9 +307,7 @@ class AdmissionController:
         lease = await self._try_place(demand)
         if lease is not None:
             now = asyncio.get_running_loop().time()
-            self._ordering.on_admit(WaiterView(
-                seq=next(self._seq), arrival=now, demand_tokens=demand.tokens,
-                priority=demand.priority, tenant=demand.tenant), now)
+            self._ordering.on_admit(self._room.next_view(demand, now), now)
         return lease
 
     # ------------------------------------------------------------------ placing
@@ -421,7 +384,7 @@ class AdmissionController:
 
     def kick(self) -> None:
         """Run dispatch soon; safe to call from sync code, coalesces bursts of calls."""
-        if not self._waiters:
+        if not self._room:
             return
         if self._dispatching:
             self._dispatch_again = True
@@ -452,10 +415,10 @@ class AdmissionController:
             if self._ledger.resident(b.name) < b.capacity_tokens:
                 await self.resize(short, short.wanted_tokens)
         if self.sizer is not None:
-            for w in self._waiters:
+            for w in self._room:
                 if w.demand.follow:
                     w.resize(self.sizer(w.demand))
-        order = sorted(self._waiters, key=lambda w: self._ordering.key(w.view, now))
+        order = self._room.in_order(now)
         for waiter in order:
             if waiter.fut.done():
                 continue
@@ -475,11 +438,11 @@ class AdmissionController:
                 continue
             waiter.fut.set_result(lease)
             self._ordering.on_admit(waiter.view, now)
-            if waiter in self._waiters:
+            if waiter in self._room:
                 self._dequeue(waiter)
         self._refuse_the_late(order, now)
 
-    def _refuse_the_late(self, order: list[_Waiter], now: float) -> None:
+    def _refuse_the_late(self, order: list[Waiter], now: float) -> None:
         """Refuse now, rather than at its deadline, each waiter that releases at the
         recent rate cannot reach in time (`proxy.deadlines`)."""
         waiting = [w for w in order if not w.fut.done()]
@@ -509,7 +472,7 @@ class AdmissionController:
 
     def _fail_all(self, exc: LedgerUnavailable) -> None:
         """No ledger, no admission: every waiter gets the explicit 503 now."""
-        for waiter in list(self._waiters):
+        for waiter in list(self._room):
             if not waiter.fut.done():
                 waiter.fut.set_exception(
                     LedgerUnavailable(exc.message, retry_after_s=exc.retry_after_s)

@@ -366,7 +366,7 @@ async def _prefix_walk(c: AdmissionController, steps: int, seed: int,
             c.set_shares_prefixes(b, not b.shares_prefixes)
         await settle(c)
         if check:
-            for w in c._waiters:
+            for w in c._room:
                 for b in c.backends:
                     assert c.prefixes.held(b, w.demand, w) == c.prefixes.held(b, w.demand)
             assert c.prefixes.remembered <= c.queue_depth
