@@ -13,24 +13,27 @@ Dispatch offers capacity to waiters in the ordering policy's order and lets
 smaller waiters backfill past one that does not fit yet, until the head has
 waited `starvation_s`: then nobody passes it, so it gets the next room that
 opens. That bounds both head-of-line blocking and starvation.
+
+Its parts elsewhere: who waits and in which order (`proxy.waiting_room`), how much of
+a demand's prefix each backend holds (`proxy.prefix_view`), and when a waiter could
+start at the recent release rate (`proxy.queue_forecast`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 
 from policies.ordering import Ordering, make_ordering
 from policies.placement import BackendRoom, PlacementName, rank_backends
 from proxy.config import QueueConfig
-from proxy.deadlines import passed_wait_s, predict_waits
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
 from proxy.prefix_view import PrefixView
+from proxy.queue_forecast import forecast, predicted_late
 from proxy.release_rate import ReleaseRate
 from proxy.waiting_room import Waiter, WaitingRoom
 
@@ -40,10 +43,6 @@ __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "
 # share a Redis ledger (which relies on it to recognise a retried reserve) without a
 # random-number system call per lease, as uuid4() makes.
 _LEASE_PREFIX = secrets.token_hex(8)
-# Admission by deadline (`proxy.deadlines`), measured with `kvgate simulate` on the
-# Azure conversation slice (2 x 16,384 tokens, 3 s deadline, speed 4 and 8): goodput
-# 948 -> 1,012 and 602 -> 739 against refusing only at the deadline. Refusing on the
-# predicted wait x 1.5 (or 2) refused requests that would have made it: 788 (775).
 _lease_seq = itertools.count(1)
 
 
@@ -179,24 +178,14 @@ class AdmissionController:
 
     def _predicted(self, order: list[Waiter], now: float,
                    extra: tuple[Demand, float] | None = None) -> list[tuple[float, bool]] | None:
-        """`predict_waits` over the waiters in `order` (and `extra`, a newcomer behind
-        those the ordering puts ahead of it, whose wait is stretched by the smaller
-        arrivals that will pass it: `passed_wait_s`); None while the queue's drain rate
-        is unknown."""
-        rate = self.release_rate.busy_tokens_per_s()
-        if rate is None or rate <= 0:
-            return None
-        queue = [(w.demand.tokens, w.deadline) for w in order]
-        if extra is not None:
-            queue.append((extra[0].tokens, extra[1]))
-        free = sum(max(0, r.free_tokens)
-                   for r in self.rooms(extra[0] if extra is not None else None))
-        predicted = predict_waits(rate, free, queue, now)
-        if extra is not None:
-            wait_s = passed_wait_s(predicted[-1][0], rate,
-                                   self.release_rate.passing_tokens_per_s(extra[0].tokens))
-            predicted[-1] = (wait_s, now + wait_s <= extra[1])
-        return predicted
+        """When each waiter in `order` (and `extra`, a newcomer behind those the
+        ordering puts ahead of it) could start: `proxy.queue_forecast`, from the free
+        room of every healthy backend (for `extra`); None while the rate is unknown."""
+        demand = extra[0] if extra is not None else None
+        return forecast(self.release_rate,
+                        lambda: sum(max(0, r.free_tokens) for r in self.rooms(demand)),
+                        [(w.demand.tokens, w.deadline) for w in order], now,
+                        (extra[0].tokens, extra[1]) if extra is not None else None)
 
     def retry_after_s(self, extra_tokens: int = 0) -> float:
         free = sum(max(0, r.free_tokens) for r in self.rooms())
@@ -239,7 +228,8 @@ class AdmissionController:
         predicted = self._predicted(self._room.ahead_of(demand, arrival), arrival,
                                     (demand, deadline))
         if predicted is not None and not predicted[-1][1]:
-            raise self._predicted_late(demand, predicted[-1][0], deadline - arrival)
+            raise predicted_late(self.model, demand.tokens, predicted[-1][0],
+                                 deadline - arrival)
         self.release_rate.queued(demand.tokens)
         waiter = Waiter(self._room.next_view(demand, arrival), demand, loop.create_future(),
                         deadline)
@@ -444,23 +434,14 @@ class AdmissionController:
 
     def _refuse_the_late(self, order: list[Waiter], now: float) -> None:
         """Refuse now, rather than at its deadline, each waiter that releases at the
-        recent rate cannot reach in time (`proxy.deadlines`)."""
+        recent rate cannot reach in time (`proxy.queue_forecast`)."""
         waiting = [w for w in order if not w.fut.done()]
         for w, (wait_s, in_time) in zip(waiting, self._predicted(waiting, now) or [],
                                         strict=False):
             if not in_time:
                 self._dequeue(w)
-                w.fut.set_exception(self._predicted_late(w.demand, wait_s, w.deadline - now))
-
-    def _predicted_late(self, demand: Demand, wait_s: float, left_s: float) -> QueueTimeout:
-        """The refusal of a request predicted to wait `wait_s`: Retry-After is that wait
-        (1 to 60 s, as `ReleaseRate.wait_s` bounds it)."""
-        wait = "ever" if math.isinf(wait_s) else f"{wait_s * 1000:.0f} ms more"
-        return QueueTimeout(
-            f"no capacity for model {self.model!r} within the deadline: predicted to wait "
-            f"{wait} for {demand.tokens} tokens with "
-            f"{max(0.0, left_s) * 1000:.0f} ms left; refused before it",
-            retry_after_s=min(60.0, max(1.0, wait_s)), predicted=True)
+                w.fut.set_exception(predicted_late(self.model, w.demand.tokens, wait_s,
+                                                   w.deadline - now))
 
     def _could_ever_fit(self, demand: Demand) -> bool:
         """Whether releases alone could make room for `demand` under today's admission
