@@ -13,26 +13,29 @@ Dispatch offers capacity to waiters in the ordering policy's order and lets
 smaller waiters backfill past one that does not fit yet, until the head has
 waited `starvation_s`: then nobody passes it, so it gets the next room that
 opens. That bounds both head-of-line blocking and starvation.
+
+Its parts elsewhere: who waits and in which order (`proxy.waiting_room`), how much of
+a demand's prefix each backend holds (`proxy.prefix_view`), and when a waiter could
+start at the recent release rate (`proxy.queue_forecast`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 
-from policies.ordering import Ordering, WaiterView, class_rank, make_ordering
+from policies.ordering import Ordering, make_ordering
 from policies.placement import BackendRoom, PlacementName, rank_backends
 from proxy.config import QueueConfig
-from proxy.deadlines import passed_wait_s, predict_waits
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
-from proxy.recent_blocks import RecentBlocks
+from proxy.prefix_view import PrefixView
+from proxy.queue_forecast import forecast, predicted_late
 from proxy.release_rate import ReleaseRate
+from proxy.waiting_room import Waiter, WaitingRoom
 
 __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "controller_for"]
 
@@ -40,27 +43,7 @@ __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "
 # share a Redis ledger (which relies on it to recognise a retried reserve) without a
 # random-number system call per lease, as uuid4() makes.
 _LEASE_PREFIX = secrets.token_hex(8)
-# Admission by deadline (`proxy.deadlines`), measured with `kvgate simulate` on the
-# Azure conversation slice (2 x 16,384 tokens, 3 s deadline, speed 4 and 8): goodput
-# 948 -> 1,012 and 602 -> 739 against refusing only at the deadline. Refusing on the
-# predicted wait x 1.5 (or 2) refused requests that would have made it: 788 (775).
 _lease_seq = itertools.count(1)
-
-
-class _Waiter:
-    __slots__ = ("deadline", "demand", "fut", "view")
-
-    def __init__(self, view: WaiterView, demand: Demand, fut: asyncio.Future[Lease],
-                 deadline: float) -> None:
-        self.view: WaiterView = view
-        self.demand: Demand = demand
-        self.fut = fut
-        self.deadline = deadline
-
-    def resize(self, tokens: int) -> None:
-        if tokens != self.demand.tokens:
-            self.demand = replace(self.demand, tokens=tokens)
-            self.view = replace(self.view, demand_tokens=tokens)
 
 
 class AdmissionController:
@@ -88,15 +71,15 @@ class AdmissionController:
         self._ordering = ordering
         self._placement = placement
         self._max_depth = max_queue_depth
-        self._class_depths = dict(max_depth_by_priority or {})
         self._starvation_s = starvation_s
-        self._waiters: list[_Waiter] = []
-        self._seq = itertools.count()
+        self._room = WaitingRoom(ordering, max_depth=max_queue_depth,
+                                 class_depths=max_depth_by_priority)
         self._dispatching = False
         self._dispatch_again = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.release_rate = ReleaseRate()
-        self._recent: dict[str, RecentBlocks] = {}  # per backend: `proxy.recent_blocks`
+        # per backend, how much of a demand's prefix it holds (`proxy.prefix_view`)
+        self.prefixes = PrefixView(ledger)
         self._on_event = on_event or (lambda _kind, _lease: None)
         # Adaptive reservation: what a followed demand should hold now. A waiter sized
         # by the cold-start rule is sized anew from the history once there is one.
@@ -117,13 +100,13 @@ class AdmissionController:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._waiters)
+        return len(self._room)
 
     def oldest_wait_s(self, now: float) -> float:
-        return max((now - w.view.arrival for w in self._waiters), default=0.0)
+        return self._room.oldest_wait_s(now)
 
     def queued_tokens(self) -> int:
-        return sum(w.demand.tokens for w in self._waiters)
+        return self._room.queued_tokens()
 
     @property
     def max_capacity_tokens(self) -> int:
@@ -177,53 +160,32 @@ class AdmissionController:
             room -= self.growth_reserve(backend, demand)
         return max(0, room)
 
-    def rooms(self, demand: Demand | None = None) -> list[BackendRoom]:
-        return [
-            BackendRoom(
-                name=b.name,
-                capacity_tokens=self._admission_room(b, demand),
-                resident_tokens=self._ledger.resident(b.name),
-                shared_tokens=(shared := self._shared_on(b, demand)),
-                cached_tokens=self._cached_on(b, demand, shared),
-            )
-            for b in self.backends
-            if b.healthy
-        ]
+    def rooms(self, demand: Demand | None = None, *,
+              owner: object | None = None) -> list[BackendRoom]:
+        """Each healthy backend's room for `demand`; `owner` (a waiter) lets the prefix
+        figures be remembered between dispatch passes (`proxy.prefix_view`)."""
+        rooms = []
+        for b in self.backends:
+            if not b.healthy:
+                continue
+            capacity = self._admission_room(b, demand)
+            resident = self._ledger.resident(b.name)
+            shared, cached = self.prefixes.held(b, demand, owner)
+            rooms.append(BackendRoom(name=b.name, capacity_tokens=capacity,
+                                     resident_tokens=resident, shared_tokens=shared,
+                                     cached_tokens=cached))
+        return rooms
 
-    def _cached_on(self, backend: Backend, demand: Demand | None, shared: int) -> int:
-        """Tokens of `demand`, past the `shared` ones, its engine probably still caches."""
-        recent = self._recent.get(backend.name)
-        if demand is None or not demand.blocks or recent is None or not backend.shares_prefixes:
-            return 0
-        start = shared // demand.block_tokens
-        return demand.block_tokens * recent.leading(demand.blocks, start)
-
-    def _shared_on(self, backend: Backend, demand: Demand | None) -> int:
-        """Tokens of `demand` that ready blocks already on `backend` would cover."""
-        if demand is None or not demand.blocks or not backend.shares_prefixes:
-            return 0
-        return demand.block_tokens * self._ledger.ready_blocks(backend.name, demand.blocks)
-
-    def _predicted(self, order: list[_Waiter], now: float,
+    def _predicted(self, order: list[Waiter], now: float,
                    extra: tuple[Demand, float] | None = None) -> list[tuple[float, bool]] | None:
-        """`predict_waits` over the waiters in `order` (and `extra`, a newcomer behind
-        those the ordering puts ahead of it, whose wait is stretched by the smaller
-        arrivals that will pass it: `passed_wait_s`); None while the queue's drain rate
-        is unknown."""
-        rate = self.release_rate.busy_tokens_per_s()
-        if rate is None or rate <= 0:
-            return None
-        queue = [(w.demand.tokens, w.deadline) for w in order]
-        if extra is not None:
-            queue.append((extra[0].tokens, extra[1]))
-        free = sum(max(0, r.free_tokens)
-                   for r in self.rooms(extra[0] if extra is not None else None))
-        predicted = predict_waits(rate, free, queue, now)
-        if extra is not None:
-            wait_s = passed_wait_s(predicted[-1][0], rate,
-                                   self.release_rate.passing_tokens_per_s(extra[0].tokens))
-            predicted[-1] = (wait_s, now + wait_s <= extra[1])
-        return predicted
+        """When each waiter in `order` (and `extra`, a newcomer behind those the
+        ordering puts ahead of it) could start: `proxy.queue_forecast`, from the free
+        room of every healthy backend (for `extra`); None while the rate is unknown."""
+        demand = extra[0] if extra is not None else None
+        return forecast(self.release_rate,
+                        lambda: sum(max(0, r.free_tokens) for r in self.rooms(demand)),
+                        [(w.demand.tokens, w.deadline) for w in order], now,
+                        (extra[0].tokens, extra[1]) if extra is not None else None)
 
     def retry_after_s(self, extra_tokens: int = 0) -> float:
         free = sum(max(0, r.free_tokens) for r in self.rooms())
@@ -247,41 +209,30 @@ class AdmissionController:
                 "it can never be admitted",
                 param="max_tokens",
             )
-        if not self._waiters:
+        if not self._room:
             lease = await self._admit_now(demand)
             if lease is not None:
                 return lease
-        class_depth = self._class_depths.get(demand.priority)
-        if class_depth is not None and self._waiting_in(demand.priority) >= class_depth:
+        if (class_depth := self._room.class_full(demand.priority)) is not None:
             raise QueueFull(
                 f"queue for model {self.model!r} holds its most of class "
                 f"{demand.priority!r} ({class_depth} waiting)",
                 retry_after_s=self.retry_after_s(demand.tokens),
             )
-        if len(self._waiters) >= self._max_depth and not self._make_room_for(demand):
+        if self._room.full and not self._make_room_for(demand):
             raise QueueFull(
                 f"queue for model {self.model!r} is full ({self._max_depth} waiting)",
                 retry_after_s=self.retry_after_s(demand.tokens),
             )
         arrival = loop.time()
-        mine = self._ordering.key(WaiterView(
-            seq=1 << 62, arrival=arrival, demand_tokens=demand.tokens,  # behind its equals
-            priority=demand.priority, tenant=demand.tenant), arrival)
-        ahead = sorted((w for w in self._waiters if not w.fut.done()
-                        and self._ordering.key(w.view, arrival) < mine),
-                       key=lambda w: self._ordering.key(w.view, arrival))
-        predicted = self._predicted(ahead, arrival, (demand, deadline))
+        predicted = self._predicted(self._room.ahead_of(demand, arrival), arrival,
+                                    (demand, deadline))
         if predicted is not None and not predicted[-1][1]:
-            raise self._predicted_late(demand, predicted[-1][0], deadline - arrival)
+            raise predicted_late(self.model, demand.tokens, predicted[-1][0],
+                                 deadline - arrival)
         self.release_rate.queued(demand.tokens)
-        view = WaiterView(
-            seq=next(self._seq),
-            arrival=arrival,
-            demand_tokens=demand.tokens,
-            priority=demand.priority,
-            tenant=demand.tenant,
-        )
-        waiter = _Waiter(view, demand, loop.create_future(), deadline)
+        waiter = Waiter(self._room.next_view(demand, arrival), demand, loop.create_future(),
+                        deadline)
         self._enqueue(waiter)
         self.kick()
         handed_over = False
@@ -298,7 +249,7 @@ class AdmissionController:
                 retry_after_s=self.retry_after_s(demand.tokens),
             ) from None
         finally:
-            if waiter in self._waiters:
+            if waiter in self._room:
                 self._dequeue(waiter)
                 self.kick()  # a blocking head may have left
             fut = waiter.fut
@@ -310,29 +261,24 @@ class AdmissionController:
             ):
                 fut.result().release()  # a grant raced the cancel or the deadline
 
-    def _enqueue(self, waiter: _Waiter) -> None:
-        self._waiters.append(waiter)
+    def _enqueue(self, waiter: Waiter) -> None:
+        self._room.add(waiter)
         self.release_rate.set_busy(True)
 
-    def _dequeue(self, waiter: _Waiter) -> None:
+    def _dequeue(self, waiter: Waiter) -> None:
         """Every waiter leaves through here, so the release rate knows when the queue
-        was empty: releases then measure traffic, not the pool."""
-        self._waiters.remove(waiter)
-        if not self._waiters:
+        was empty (releases then measure traffic, not the pool), and the prefix view
+        forgets its figures."""
+        self._room.remove(waiter)
+        self.prefixes.forget(waiter)
+        if not self._room:
             self.release_rate.set_busy(False)
 
-    def _waiting_in(self, priority: str) -> int:
-        return sum(1 for w in self._waiters if w.demand.priority == priority)
-
     def _make_room_for(self, demand: Demand) -> bool:
-        """A full queue refuses its newest waiter of the lowest class below `demand`'s,
-        so that a flood of low priority cannot take the room of high. -> room made."""
-        rank = class_rank(demand.priority)
-        lower = [w for w in self._waiters
-                 if class_rank(w.demand.priority) > rank and not w.fut.done()]
-        if not lower:
+        """A full queue refuses the waiter `WaitingRoom.victim_for` names. -> room made."""
+        victim = self._room.victim_for(demand.priority)
+        if victim is None:
             return False
-        victim = max(lower, key=lambda w: (class_rank(w.demand.priority), w.view.seq))
         self._dequeue(victim)
         victim.fut.set_exception(QueueFull(
             f"queue for model {self.model!r} is full: a request of a higher class took "
@@ -343,7 +289,7 @@ class AdmissionController:
     async def try_acquire(self, demand: Demand) -> Lease | None:
         """A lease at once if nobody waits and a healthy backend has room, else None;
         never queues and never refuses (the caller goes on to `acquire`)."""
-        if self._waiters or demand.tokens > self.max_capacity_tokens:
+        if self._room or demand.tokens > self.max_capacity_tokens:
             return None
         return await self._admit_now(demand)
 
@@ -351,14 +297,13 @@ class AdmissionController:
         lease = await self._try_place(demand)
         if lease is not None:
             now = asyncio.get_running_loop().time()
-            self._ordering.on_admit(WaiterView(
-                seq=next(self._seq), arrival=now, demand_tokens=demand.tokens,
-                priority=demand.priority, tenant=demand.tenant), now)
+            self._ordering.on_admit(self._room.next_view(demand, now), now)
         return lease
 
     # ------------------------------------------------------------------ placing
-    async def _try_place(self, demand: Demand) -> Lease | None:
-        for name in rank_backends(self.rooms(demand), demand.tokens, self._placement):
+    async def _try_place(self, demand: Demand, owner: object | None = None) -> Lease | None:
+        for name in rank_backends(self.rooms(demand, owner=owner), demand.tokens,
+                                  self._placement):
             backend = self._by_name[name]
             if not backend.slot_free:
                 continue  # the engine would queue it inside, behind its busy slots
@@ -415,26 +360,21 @@ class AdmissionController:
         """Its blocks are in the engine's cache now: free to share, so a waiter that
         brings the same prefix may cost less."""
         self._ledger.mark_ready(lease.lease_id)
+        self.prefixes.answered(lease)
         self.kick()
 
     def _released(self, lease: Lease) -> None:
-        d = lease.demand
-        if d.blocks and lease.was_answered and lease.backend.shares_prefixes:
-            recent = self._recent.get(lease.backend.name)
-            if recent is None:
-                recent = self._recent[lease.backend.name] = RecentBlocks(
-                    lease.backend.capacity_tokens // d.block_tokens)
-            recent.remember(d.blocks)
         lease.backend._inflight -= 1
         self._short.pop(lease.lease_id, None)
         self._ledger.release(lease.lease_id)
+        self.prefixes.released(lease)
         self.release_rate.record(lease.tokens)
         self._on_event("release", lease)
         self.kick()
 
     def kick(self) -> None:
         """Run dispatch soon; safe to call from sync code, coalesces bursts of calls."""
-        if not self._waiters:
+        if not self._room:
             return
         if self._dispatching:
             self._dispatch_again = True
@@ -465,15 +405,15 @@ class AdmissionController:
             if self._ledger.resident(b.name) < b.capacity_tokens:
                 await self.resize(short, short.wanted_tokens)
         if self.sizer is not None:
-            for w in self._waiters:
+            for w in self._room:
                 if w.demand.follow:
                     w.resize(self.sizer(w.demand))
-        order = sorted(self._waiters, key=lambda w: self._ordering.key(w.view, now))
+        order = self._room.in_order(now)
         for waiter in order:
             if waiter.fut.done():
                 continue
             try:
-                lease = await self._try_place(waiter.demand)
+                lease = await self._try_place(waiter.demand, waiter)
             except LedgerUnavailable as exc:
                 self._fail_all(exc)
                 return
@@ -488,29 +428,20 @@ class AdmissionController:
                 continue
             waiter.fut.set_result(lease)
             self._ordering.on_admit(waiter.view, now)
-            if waiter in self._waiters:
+            if waiter in self._room:
                 self._dequeue(waiter)
         self._refuse_the_late(order, now)
 
-    def _refuse_the_late(self, order: list[_Waiter], now: float) -> None:
+    def _refuse_the_late(self, order: list[Waiter], now: float) -> None:
         """Refuse now, rather than at its deadline, each waiter that releases at the
-        recent rate cannot reach in time (`proxy.deadlines`)."""
+        recent rate cannot reach in time (`proxy.queue_forecast`)."""
         waiting = [w for w in order if not w.fut.done()]
         for w, (wait_s, in_time) in zip(waiting, self._predicted(waiting, now) or [],
                                         strict=False):
             if not in_time:
                 self._dequeue(w)
-                w.fut.set_exception(self._predicted_late(w.demand, wait_s, w.deadline - now))
-
-    def _predicted_late(self, demand: Demand, wait_s: float, left_s: float) -> QueueTimeout:
-        """The refusal of a request predicted to wait `wait_s`: Retry-After is that wait
-        (1 to 60 s, as `ReleaseRate.wait_s` bounds it)."""
-        wait = "ever" if math.isinf(wait_s) else f"{wait_s * 1000:.0f} ms more"
-        return QueueTimeout(
-            f"no capacity for model {self.model!r} within the deadline: predicted to wait "
-            f"{wait} for {demand.tokens} tokens with "
-            f"{max(0.0, left_s) * 1000:.0f} ms left; refused before it",
-            retry_after_s=min(60.0, max(1.0, wait_s)), predicted=True)
+                w.fut.set_exception(predicted_late(self.model, w.demand.tokens, wait_s,
+                                                   w.deadline - now))
 
     def _could_ever_fit(self, demand: Demand) -> bool:
         """Whether releases alone could make room for `demand` under today's admission
@@ -522,7 +453,7 @@ class AdmissionController:
 
     def _fail_all(self, exc: LedgerUnavailable) -> None:
         """No ledger, no admission: every waiter gets the explicit 503 now."""
-        for waiter in list(self._waiters):
+        for waiter in list(self._room):
             if not waiter.fut.done():
                 waiter.fut.set_exception(
                     LedgerUnavailable(exc.message, retry_after_s=exc.retry_after_s)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 __all__ = ["RecentBlocks"]
 
@@ -30,20 +31,27 @@ class RecentBlocks:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def remember(self, keys: Iterable[str]) -> None:
-        """Blocks just released (or just used): the most recent, so the last evicted."""
+    def remember(self, keys: Iterable[str]) -> list[str]:
+        """Blocks just released (or just used): the most recent, so the last evicted.
+        -> the keys that came in or were evicted: what `leading` answers differently
+        for (`proxy.prefix_view` forgets the figures that read them)."""
         cache = self._keys
+        moved: list[str] = []
         for key in keys:
-            cache[key] = None
-            cache.move_to_end(key)
+            if key in cache:
+                cache.move_to_end(key)
+            else:
+                cache[key] = None
+                moved.append(key)
         while len(cache) > self.capacity_blocks:
-            cache.popitem(last=False)
+            moved.append(cache.popitem(last=False)[0])
+        return moved
 
     def leading(self, keys: Sequence[str], start: int = 0) -> int:
         """How many of `keys` from `start` on, in order, it holds."""
         n = 0
         cache = self._keys
-        for key in keys[start:]:
+        for key in islice(keys, start, None):  # no copy of a long prompt's keys
             if key not in cache:
                 break
             n += 1

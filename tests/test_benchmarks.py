@@ -341,3 +341,26 @@ def test_suite_tiny_run_writes_report_and_plots(tmp_path: Path) -> None:
     assert rows["kvgate strict"][5].strip() == "0"  # zero preemptions through kvgate
     assert rows["direct+timeout"][9].strip() == "- / -"  # no gateway queue to wait in
     assert (tmp_path / "S2-none.png").stat().st_size > 10_000
+
+
+def test_bench_ledger_shared_prefix_cases_run_small() -> None:
+    """`bench_ledger`'s dispatch case places every waiter alike both ways, and its
+    shared-prefix pairs run and leave nothing reserved (a few cycles, a few ms)."""
+    from benchmarks.bench_ledger import PREFIX_BLOCKS, dispatch_passes, shared_pair_rates
+    from proxy.ledger import MemoryLedger
+
+    def run(scan: bool) -> tuple[tuple[str, str, int], ...]:
+        times = asyncio.run(dispatch_passes(scan_every_pass=scan, backends=2, waiters=20,
+                                            per_backend=3, cycles=10, quiet=2, seconds=10))
+        assert times.cycles == 10 and times.quiet_ms > 0 and times.cycle_ms > 0
+        return times.decisions
+
+    placed = run(True)
+    assert len(placed) == 2 * 3 + 10
+    # the first lease on each backend pays the prefix; every other one shares all of it
+    assert sorted(shared for _, _, shared in placed) == [0, 0] + [16 * PREFIX_BLOCKS] * 14
+    assert run(False) == placed
+    ledger = MemoryLedger()
+    rates = asyncio.run(shared_pair_rates(ledger, seconds=0.02, concurrency=1, rounds=1))
+    assert min(rates.plain, rates.joined, rates.joined_wide, rates.first) > 0
+    assert ledger.resident("gpu-a") == 0

@@ -10,15 +10,22 @@ equals what an engine would hold for the live leases, and never passes capacity.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.errors import LedgerUnavailable
+from policies.ordering import Fifo
+from policies.placement import PlacementName
+from proxy.admission import AdmissionController, Backend, Demand, Lease, ReleaseRate
+from proxy.errors import KvgateError, LedgerUnavailable
 from proxy.ledger import Ledger, MemoryLedger
+from proxy.prefix_view import PrefixView
+from proxy.recent_blocks import RecentBlocks
 from proxy.redis_ledger import RedisLedger
 from tests.support.redis_server import RedisServer
 
@@ -212,3 +219,215 @@ def test_redis_ledger_replicas_share_blocks_and_rebuild_them_after_a_restart(
                 await led.close()
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ placement's figures
+# Dispatch reads, per waiter and backend, how much of its prefix is held ready there and
+# how much more is probably cached (`proxy.prefix_view`), remembered between passes. A
+# remembered figure must always be the one a fresh scan gives.
+
+
+class ScanEveryCall(PrefixView):
+    """Never remembers: every figure scanned again, as dispatch did before."""
+
+    def held(self, backend: Backend, demand: Demand | None,
+             owner: object | None = None) -> tuple[int, int]:
+        return super().held(backend, demand, None)
+
+
+def sharing_controller(ledger: Ledger, capacities: list[int], *,
+                       placement: PlacementName = PlacementName.BEST_FIT,
+                       on_event: Callable[[str, Lease | None], None] | None = None,
+                       ) -> AdmissionController:
+    bs = [Backend(name=f"b{i}", url=f"http://127.0.0.1:{9000 + i}", capacity_tokens=cap)
+          for i, cap in enumerate(capacities)]
+    c = AdmissionController(model="m", backends=bs, ledger=ledger, ordering=Fifo(),
+                            placement=placement, max_queue_depth=64, on_event=on_event)
+    for b in bs:
+        c.set_shares_prefixes(b, True)
+    # no deadline predictions: what is refused must not hang on the clock
+    c.release_rate = ReleaseRate(min_busy_releases=10**9)
+    return c
+
+
+def prefixed(tokens: int, blocks: list[str], **kw: object) -> Demand:
+    prompt = BT * len(blocks) + 1
+    return Demand(tokens=tokens, prompt_tokens=prompt, max_tokens=tokens - prompt,
+                  blocks=tuple(blocks), block_tokens=BT, **kw)  # type: ignore[arg-type]
+
+
+async def settle(c: AdmissionController) -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+        await c.drain()
+
+
+def test_a_prefix_that_becomes_ready_between_two_passes_is_seen_by_the_second() -> None:
+    """W does not fit anywhere while A's prefix on b0 is not ready (a pass remembers
+    that it shares nothing there); A's answer readies it, and the next pass places W on
+    b0 for only what it does not share."""
+    prefix = [key(3, i) for i in range(20)]  # 320 tokens
+
+    async def scenario() -> None:
+        c = sharing_controller(MemoryLedger(), [1000, 1000])
+        a = await c.try_acquire(prefixed(700, prefix))
+        f = await c.try_acquire(demand_plain(700))
+        assert a is not None and f is not None
+        assert (a.backend.name, f.backend.name) == ("b0", "b1")
+        w = asyncio.ensure_future(c.acquire(prefixed(400, [*prefix, key(4, 0)]), soon()))
+        await settle(c)
+        assert c.queue_depth == 1 and c.prefixes.remembered == 1  # a pass ran, remembered
+        a.answered()  # b0 holds the prefix ready now: W costs 80 there, 300 are free
+        await settle(c)
+        lease = await asyncio.wait_for(w, 1)
+        assert (lease.backend.name, lease.shared_tokens) == ("b0", 320)
+        assert c.prefixes.remembered == 0
+        for held in (lease, a, f):
+            held.release()
+
+    asyncio.run(scenario())
+
+
+def test_a_prefix_released_between_two_passes_is_not_counted_by_the_second() -> None:
+    """A pass remembers that W shares A's ready prefix on b0 (W fits nowhere then).
+    A and F leave at once; b0 now only probably caches the prefix: W would cost its
+    whole 400 there, too full for the prefix to hold it, so least-resident sends it to
+    the emptied b1. A figure still counting the prefix as shared would have kept W
+    on b0 (its fill after 0.62, within 0.25 of b1's 0.40; the true one is 0.70)."""
+    prefix = [key(5, i) for i in range(20)]
+
+    async def scenario() -> None:
+        c = sharing_controller(MemoryLedger(), [4000, 1000],
+                               placement=PlacementName.LEAST_RESIDENT)
+        a = await c.try_acquire(prefixed(1550, prefix))
+        assert a is not None and a.backend.name == "b0"
+        a.answered()
+        held = await c.try_acquire(demand_plain(2400))
+        f = await c.try_acquire(demand_plain(700))
+        assert held is not None and f is not None
+        assert (held.backend.name, f.backend.name) == ("b0", "b1")  # free: 50 and 300
+        w = asyncio.ensure_future(c.acquire(prefixed(400, [*prefix, key(6, 0)]), soon()))
+        await settle(c)
+        assert c.queue_depth == 1 and c.prefixes.remembered == 1
+        b0 = c.backends[0]
+        assert c.prefixes.held(b0, prefixed(400, [*prefix, key(6, 0)])) == (320, 0)
+        a.release()  # its last holder: the prefix leaves b0's ready blocks
+        f.release()
+        await settle(c)
+        lease = await asyncio.wait_for(w, 1)
+        assert (lease.backend.name, lease.shared_tokens) == ("b1", 0)
+        for x in (lease, held):
+            x.release()
+
+    asyncio.run(scenario())
+
+
+def demand_plain(tokens: int) -> Demand:
+    return Demand(tokens=tokens, prompt_tokens=tokens // 2, max_tokens=tokens - tokens // 2)
+
+
+def soon(seconds: float = 60.0) -> float:
+    return asyncio.get_running_loop().time() + seconds
+
+
+async def _prefix_walk(c: AdmissionController, steps: int, seed: int,
+                       check: bool = True) -> None:
+    """Random arrivals, answers, releases, cancellations, sharing switched off and on,
+    over 3 shared prefixes; after every step, each waiter's remembered figures on every
+    backend must be a fresh scan's."""
+    rng = random.Random(seed)
+    live: list[Lease] = []
+    tasks: list[asyncio.Task[None]] = []
+    n = 0
+
+    async def arrive(d: Demand) -> None:
+        with contextlib.suppress(KvgateError):
+            live.append(await c.acquire(d, soon()))
+
+    for _ in range(steps):
+        action = rng.random()
+        if action < 0.4 or not live:
+            group, shared = rng.randrange(3), rng.randrange(0, 16)
+            blocks = [key(group, i) for i in range(shared)]
+            blocks += [key(1000 + n, i) for i in range(rng.randrange(0, 3))]
+            n += 1
+            tasks.append(asyncio.ensure_future(arrive(prefixed(
+                BT * len(blocks) + rng.randrange(1, 200), blocks, tenant=f"d{n}"))))
+        elif action < 0.6:
+            rng.choice(live).answered()
+        elif action < 0.85:
+            live.pop(rng.randrange(len(live))).release()
+        elif action < 0.95:
+            waiting = [t for t in tasks if not t.done()]
+            if waiting:
+                rng.choice(waiting).cancel()
+        else:
+            b = rng.choice(c.backends)
+            c.set_shares_prefixes(b, not b.shares_prefixes)
+        await settle(c)
+        if check:
+            for w in c._room:
+                for b in c.backends:
+                    assert c.prefixes.held(b, w.demand, w) == c.prefixes.held(b, w.demand)
+            assert c.prefixes.remembered <= c.queue_depth
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for lease in live:
+        lease.release()
+    assert c.prefixes.remembered == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_remembered_prefix_figures_are_always_a_fresh_scans(seed: int) -> None:
+    asyncio.run(_prefix_walk(sharing_controller(MemoryLedger(), [900, 700, 500]), 400, seed))
+
+
+def test_remembered_prefix_figures_hold_over_the_redis_ledger(
+    redis_server: RedisServer,
+) -> None:
+    async def scenario() -> None:
+        led = RedisLedger(redis_server.url, backends=["b0", "b1", "b2"], key_prefix="pv",
+                          recovery_window_s=0)
+        await led.start()
+        try:
+            await _prefix_walk(sharing_controller(led, [900, 700, 500]), 200, 11)
+        finally:
+            await led.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_remembering_the_figures_changes_no_decision(seed: int) -> None:
+    """The same random run twice, figures remembered and scanned on every call: every
+    admission on the same backend, with the same tokens shared."""
+    def run(view: type[PrefixView]) -> list[tuple[str, str, int]]:
+        admitted: list[tuple[str, str, int]] = []
+
+        def record(kind: str, lease: Lease | None) -> None:
+            if kind == "admit" and lease is not None:
+                admitted.append((lease.demand.tenant, lease.backend.name,
+                                 lease.shared_tokens))
+
+        async def scenario() -> None:
+            ledger = MemoryLedger()
+            c = sharing_controller(ledger, [900, 700, 500], on_event=record)
+            c.prefixes = view(ledger)
+            await _prefix_walk(c, 400, seed, check=False)
+
+        asyncio.run(scenario())
+        return admitted
+
+    remembered = run(PrefixView)
+    assert len(remembered) > 100
+    assert remembered == run(ScanEveryCall)
+
+
+def test_recent_blocks_say_which_keys_came_in_or_were_evicted() -> None:
+    """What a remembered `cached` figure must be forgotten for."""
+    recent = RecentBlocks(capacity_blocks=3)
+    assert recent.remember(["a", "b"]) == ["a", "b"]
+    assert recent.remember(["a"]) == []  # only its order moved: `leading` answers alike
+    assert recent.remember(["c", "d"]) == ["c", "d", "b"]  # b, the least recent, left
+    assert recent.leading(["a", "c", "d", "b"]) == 3
