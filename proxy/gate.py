@@ -58,6 +58,7 @@ from proxy.reservation import (
 from proxy.sharing import counted_with_blocks, scope_of
 from proxy.tokenize import CountFailed, PromptCounter, RenderedChat, TemplateError
 from proxy.tokenize.chunked import CountExceeded
+from proxy.tokenize.fair_pool import counting_for
 from proxy.validation import Endpoint, ValidRequest
 
 __all__ = ["Gate", "every"]
@@ -173,6 +174,7 @@ class Gate:
         after the exact count (queueing if needed), or a rejection."""
         req = ask.request
         t0 = time.perf_counter()
+        counting_for.set(ask.tenant)  # the count pool's turns (this request's task only)
         if self._as_llama_cpp and req.chat is not None:
             chat = req.chat.as_llama_cpp_reads()  # the chat as the engine will render it
             if chat is not req.chat:

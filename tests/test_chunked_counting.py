@@ -22,8 +22,11 @@ from hypothesis import strategies as st
 
 from proxy.tokenize import ChatRequest, PromptCounter, TokenCounter, load_counter
 from proxy.tokenize.base import Encoder
+from proxy.tokenize.bytelevel import ByteLevelBPEEncoder
 from proxy.tokenize.cache import SegmentCounter
 from proxy.tokenize.chunked import CHUNK_CHARS, CountExceeded
+from proxy.tokenize.fair_pool import counting_for
+from proxy.tokenize.guard import CORE_RUN
 from tests.support.metrics import samples
 from tests.support.reference import hf_count, hf_tokenizer
 from tests.support.stack import MODEL, MODELS, running_stack
@@ -245,3 +248,58 @@ async def test_over_http_a_long_prompt_is_refused_before_it_is_counted_whole() -
                    if labels.get("reason") == "context_length_exceeded"]
         assert sum(refused) == 2
 
+
+
+def test_a_run_too_long_for_the_core_goes_to_the_call_that_releases_the_gil(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whitespace run of more than `CORE_RUN` characters: `encode_single_piece` held
+    the GIL for its whole BPE (4 MB of spaces and tabs: 2.5 s with every other thread,
+    the event loop's included, stopped); `tokenizers`' `encode_batch` gives the same ids
+    and releases it (bench_hostile's `spaces` attack measures the difference)."""
+    enc = encoder_of(MODEL)
+    assert isinstance(enc, ByteLevelBPEEncoder)
+    cutter = enc._cutter
+    assert cutter is not None and cutter._long_run == enc._reference_run
+    runs: list[int] = []
+
+    def spy(run: str) -> list[int]:
+        runs.append(len(run))
+        return enc._reference_run(run)
+
+    monkeypatch.setattr(cutter, "_long_run", spy)
+    text = "x" + (" " * 63 + "\t") * (CORE_RUN // 32) + "x"
+    ids = enc.encode_segment(text)
+    assert runs == [len(text) - 3]  # the run less its last character, which goes with "x"
+    assert ids == enc._ref.encode_segment(text)  # `tokenizers` on the whole text
+
+
+@synchronously
+async def test_clients_take_turns_in_the_count_pool(chunks_encoded: list[int],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tenant "a" counts four long prompts at once, tenant "b" one: a free thread goes
+    to the waiting tenant with the fewest jobs running, so "a" gets two to three chunks
+    to each of "b"'s (2.0-2.7 measured; by request it would get four, and with more
+    prompts more; `proxy.tokenize.fair_pool` says why not one)."""
+    c = load_counter(MODELS / MODEL)
+    owner: dict[str, str] = {}  # a prompt's first words -> its tenant
+    original = SegmentCounter.encode_chunk
+    done_by: list[str] = []
+
+    def spy(self: SegmentCounter, segment: str, start: int, *args: Any) -> Any:
+        done_by.append(next(t for head, t in owner.items() if head in segment[:100]))
+        return original(self, segment, start, *args)
+
+    monkeypatch.setattr(SegmentCounter, "encode_chunk", spy)
+
+    async def count(tenant: str, seed: int) -> None:
+        counting_for.set(tenant)
+        chat = big_chat(2_000_000, seed)
+        owner[chat.messages[0]["content"][:60]] = tenant
+        await c.count_chat_async(chat)
+
+    a = [asyncio.ensure_future(count("a", seed)) for seed in range(20, 24)]
+    await count("b", 30)
+    by_a, by_b = done_by.count("a"), done_by.count("b")
+    await asyncio.gather(*a)
+    assert by_b >= 25  # 2 MB: about 30 chunks
+    assert by_a <= 2.9 * by_b, (by_a, by_b)  # by request: 4 to 1

@@ -9,7 +9,6 @@ panic, a `BaseException`, never escapes as one).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from array import array
@@ -31,6 +30,7 @@ from proxy.tokenize.base import (
 )
 from proxy.tokenize.cache import DEFAULT_CACHE_BYTES, CacheStats, CountCache, SegmentCounter
 from proxy.tokenize.encoders import run_cutter, tiktoken_failure
+from proxy.tokenize.fair_pool import FairPool
 from proxy.tokenize.guard import LONG_RUN, CountFailed, RunCutter, is_panic, whitespace_runs
 from proxy.tokenize.long_text import LongText
 from proxy.tokenize.templates import (
@@ -41,7 +41,7 @@ from proxy.tokenize.templates import (
     parse_tool_call,
 )
 
-__all__ = ["Keyed", "MistralTokenCounter", "TokenCounter", "count_executor"]
+__all__ = ["Keyed", "MistralTokenCounter", "TokenCounter", "count_executor", "count_pool"]
 
 # Counting inline on the event loop beats a thread-pool round trip (a wake-up through
 # the loop's self-pipe, two context switches) while the work is short: up to this
@@ -85,13 +85,11 @@ class _OffLoop:
         raise NotImplementedError
 
     async def count_chat_async(self, chat: ChatRequest, limit: int | None = None) -> int:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(count_executor(), self.count_chat, chat)
+        return await count_pool().run(self.count_chat, chat)
 
     async def count_prompt_async(self, prompt: str | Sequence[int],
                                  limit: int | None = None) -> int:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(count_executor(), self.count_prompt, prompt)
+        return await count_pool().run(self.count_prompt, prompt)
 
 
 class TokenCounter(_OffLoop):
@@ -114,7 +112,7 @@ class TokenCounter(_OffLoop):
             cache=CountCache(cache_bytes) if cache_bytes > 0 else None,
         )
         self._inline_chars = INLINE_NEW_CHARS if encoder.fast else INLINE_NEW_CHARS // 16
-        self._long = LongText(encoder, self._segments, count_executor)
+        self._long = LongText(encoder, self._segments, count_pool)
         self._templates: dict[str, str] = (
             chat_template
             if isinstance(chat_template, dict)
@@ -237,8 +235,7 @@ class TokenCounter(_OffLoop):
     async def _rendered(self, chat: ChatRequest) -> str:
         if self._renders_inline(chat):
             return self.render_chat(chat)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(count_executor(), self.render_chat, chat)
+        return await count_pool().run(self.render_chat, chat)
 
     def render_for_count(self, chat: ChatRequest) -> RenderedChat | None:
         if not self._renders_inline(chat):
@@ -253,11 +250,10 @@ class TokenCounter(_OffLoop):
     async def _count_rendered(self, rendered: str, limit: int | None = None) -> int:
         if len(rendered) > INLINE_RENDERED_CHARS:
             return await self._long.count_rendered(rendered, limit)
-        loop = asyncio.get_running_loop()
         known, todo = self._segments.plan(rendered)
         if sum(map(len, todo)) <= self._inline_chars:
             return known + self._segments.finish(todo)
-        return known + await loop.run_in_executor(count_executor(), self._segments.finish, todo)
+        return known + await count_pool().run(self._segments.finish, todo)
 
     async def count_prompt_async(self, prompt: str | Sequence[int],
                                  limit: int | None = None) -> int:
@@ -303,7 +299,6 @@ class TokenCounter(_OffLoop):
                                     scope: str, limit: int | None = None) -> Keyed:
         """`count_chat_keys`: inline where little is new (what `count_chat_async` does
         inline, and the keys of at most `INLINE_KEYED_TOKENS`), else in the pool."""
-        loop = asyncio.get_running_loop()
         rendered = await self._rendered(chat)
         segments = self._segments
         if len(rendered) > INLINE_RENDERED_CHARS:
@@ -312,7 +307,7 @@ class TokenCounter(_OffLoop):
         new_chars = sum(len(p) for p in parts if isinstance(p, str))
         if new_chars <= self._inline_chars and size <= INLINE_KEYED_TOKENS:
             return segments.finish_keys(parts, block_tokens, scope)
-        return await loop.run_in_executor(count_executor(), segments.finish_keys, parts,
+        return await count_pool().run(segments.finish_keys, parts,
                                           block_tokens, scope)
 
     async def count_prompt_keys_async(self, prompt: str | Sequence[int], block_tokens: int,
@@ -323,8 +318,7 @@ class TokenCounter(_OffLoop):
         if isinstance(prompt, str) and len(prompt) > INLINE_RENDERED_CHARS:
             return await self._long.keys_plain(prompt, block_tokens, scope, limit,
                                                self._plain_ids)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(count_executor(), self.count_prompt_keys, prompt,
+        return await count_pool().run(self.count_prompt_keys, prompt,
                                           block_tokens, scope)
 
     def token_id(self, token: str) -> int | None:
@@ -465,6 +459,17 @@ def _guard_tekken(tok: Any) -> bool:
 
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
+_pool: FairPool | None = None
+
+
+def count_pool() -> FairPool:
+    """The count pool as every count path uses it: the executor's threads, taken in
+    turn by tenant (`proxy.tokenize.fair_pool`)."""
+    global _pool
+    with _executor_lock:
+        if _pool is None:
+            _pool = FairPool(count_executor, max(1, os.cpu_count() or 1))
+        return _pool
 
 
 def count_executor() -> ThreadPoolExecutor:

@@ -9,7 +9,8 @@ adds and compares between them, and:
   as the count passes it, or before any encoding where the text's length alone proves
   it (`floor_tokens`): `CountExceeded`;
 * a cancelled request (its client gone) stops at the chunk in flight;
-* each chunk queues at the pool's tail: concurrent long counts take turns.
+* each chunk is one job of the count pool (`FairPool`): concurrent long counts take
+  turns, and clients take turns before requests do.
 
 Counts and ids are exactly those of the one-call paths (`SegmentCounter.count`,
 `keys`, `encode_plain`): chunks are cut only where `Cuts` proves it, and segments
@@ -18,16 +19,15 @@ counted here are remembered in the count cache as those paths would.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from array import array
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
 
 from proxy.prefix_blocks import ID_BYTES, block_keys_of_bytes
 from proxy.tokenize.base import Encoder
 from proxy.tokenize.cache import IdPart, SegmentCounter
 from proxy.tokenize.chunked import CHUNK_CHARS, CountExceeded
+from proxy.tokenize.fair_pool import FairPool
 
 __all__ = ["LongText"]
 
@@ -38,7 +38,7 @@ class LongText:
     """The long-text count paths of one model's `TokenCounter`."""
 
     def __init__(self, encoder: Encoder, segments: SegmentCounter,
-                 pool: Callable[[], Executor]) -> None:
+                 pool: Callable[[], FairPool]) -> None:
         self._encoder = encoder
         self._segments = segments
         self._pool = pool
@@ -54,13 +54,12 @@ class LongText:
         """`SegmentCounter.count(text)`: short new segments in batches, long ones
         chunk by chunk."""
         self.check_floor(text, limit)
-        loop = asyncio.get_running_loop()
         pool, segments = self._pool(), self._segments
-        total, todo = await loop.run_in_executor(pool, segments.plan, text)
+        total, todo = await pool.run(segments.plan, text)
         for job in _batches(todo):
             _check(total, limit)
             if isinstance(job, list):
-                total += await loop.run_in_executor(pool, segments.finish, job)
+                total += await pool.run(segments.finish, job)
                 continue
             count, _, _ = await self._encode(job, before=total, limit=limit)
             segments.remember(job, count)
@@ -72,9 +71,8 @@ class LongText:
         """`SegmentCounter.keys(text, ...)`: long new segments encoded chunk by chunk,
         then the id stream's keys in one job."""
         self.check_floor(text, limit)
-        loop = asyncio.get_running_loop()
         pool, segments = self._pool(), self._segments
-        parts, _ = await loop.run_in_executor(pool, segments.plan_ids, text)
+        parts, _ = await pool.run(segments.plan_ids, text)
         known = sum(_known_tokens(p) for p in parts)
         _check(known, limit)
         ready: list[IdPart] = []
@@ -86,7 +84,7 @@ class LongText:
                 known += count
                 part = segments.encoded_part(part, data)
             ready.append(part)
-        return await loop.run_in_executor(pool, segments.finish_keys, ready, block_tokens,
+        return await pool.run(segments.finish_keys, ready, block_tokens,
                                           scope)
 
     async def count_plain(self, prompt: str, limit: int | None,
@@ -94,11 +92,10 @@ class LongText:
         """A completion prompt's count with the tokenizer's BOS rule (`encode_plain`);
         `one_call` counts it where the encoder gives no parts."""
         self.check_floor(prompt, limit)
-        loop = asyncio.get_running_loop()
         pool = self._pool()
-        plan = await loop.run_in_executor(pool, self._encoder.plain_parts, prompt)
+        plan = await pool.run(self._encoder.plain_parts, prompt)
         if plan is None:
-            return await loop.run_in_executor(pool, one_call, prompt)
+            return await pool.run(one_call, prompt)
         parts, bos = plan
         total, first = 0, None
         for part in parts:
@@ -116,11 +113,10 @@ class LongText:
                          limit: int | None, one_call: Callable[[str], list[int]]) -> Keyed:
         """A completion prompt's count and block keys (`encode_plain`'s ids)."""
         self.check_floor(prompt, limit)
-        loop = asyncio.get_running_loop()
         pool = self._pool()
-        plan = await loop.run_in_executor(pool, self._encoder.plain_parts, prompt)
+        plan = await pool.run(self._encoder.plain_parts, prompt)
         if plan is None:
-            ids = await loop.run_in_executor(pool, one_call, prompt)
+            ids = await pool.run(one_call, prompt)
             data = array("I", ids).tobytes()
         else:
             parts, bos = plan
@@ -142,8 +138,8 @@ class LongText:
             if bos is not None and first != bos:
                 out.insert(0, array("I", (bos,)).tobytes())
             data = b"".join(out)
-        keys = await loop.run_in_executor(
-            pool, functools.partial(block_keys_of_bytes, data, block_tokens, scope=scope))
+        keys = await pool.run(
+            functools.partial(block_keys_of_bytes, data, block_tokens, scope=scope))
         return len(data) // ID_BYTES, tuple(keys)
 
     async def _encode(self, segment: str, *, before: int, limit: int | None,
@@ -151,12 +147,11 @@ class LongText:
         """One segment in the pool, one chunk per job: -> (count, first id, ids as
         `array("I")` bytes where asked for); `CountExceeded` as soon as `before` + the
         count so far passes `limit`."""
-        loop = asyncio.get_running_loop()
         pool, cuts, encode = self._pool(), self._encoder.cuts, self._segments.encode_chunk
         count, first, start = 0, None, 0
         out: list[bytes] = []
         while True:
-            chunk = await loop.run_in_executor(pool, encode, segment, start, cuts,
+            chunk = await pool.run(encode, segment, start, cuts,
                                                CHUNK_CHARS, as_bytes)
             first = chunk.first if first is None else first
             count += chunk.count
