@@ -7,8 +7,9 @@ sends small chats in a closed loop (`--concurrency`). The attacker holds two
 connections and sends, as fast as kvgate answers, the worst bodies found so far, each
 just under the 4 MiB body limit, one kind per phase:
 
-- `unique-text`: one chat of ~4 MB of fresh words (counting-bound: a count cannot be
-  cached, and the prompt is far past the context, so it ends in a 400);
+- `unique-text`: one chat of ~4 MB of fresh words, cycling through 24 such bodies
+  (counting-bound: more than the count cache holds, and the prompt is far past the
+  context, so it ends in a 400);
 - `spaces`: one chat of ~4 MB of spaces and tabs (the tokenizer's worst regex path);
 - `many-prompts`: a completions body of ~1M one-character prompts (refused at once
   from parsing: more prompts than any backend could hold);
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -38,6 +40,7 @@ from benchmarks.bench_proxy import kvgate_before_sim, ms
 
 LIMIT = 4 * 2**20 - 4096  # under kvgate's default body limit (4 MiB)
 KINDS = ("unique-text", "spaces", "many-prompts", "tools")
+UNIQUE_BODIES = 24
 
 
 def attack_body(kind: str, rng: random.Random) -> bytes:
@@ -47,7 +50,7 @@ def attack_body(kind: str, rng: random.Random) -> bytes:
                            "messages": [{"role": "user", "content": words[:LIMIT - 200]}]}
                           ).encode()
     if kind == "spaces":
-        text = (" " * 63 + "\t") * ((LIMIT - 200) // 64)
+        text = (" " * 63 + "\t") * ((LIMIT - 200) // 65)  # JSON writes a tab as two bytes
         return json.dumps({"model": "qwen3-14b", "max_tokens": 1,
                            "messages": [{"role": "user", "content": text}]}).encode()
     if kind == "many-prompts":
@@ -86,13 +89,15 @@ async def victim(url: str, seconds: float, concurrency: int) -> tuple[list[float
         return latencies, len(latencies) / (time.perf_counter() - t0)
 
 
-async def attacker(url: str, body: bytes, stop: asyncio.Event,
+async def attacker(url: str, bodies: list[bytes], stop: asyncio.Event,
                    statuses: dict[int, int]) -> None:
-    path = "/v1/completions" if b'"prompt"' in body[:200] else "/v1/chat/completions"
+    path = "/v1/completions" if b'"prompt"' in bodies[0][:200] else "/v1/chat/completions"
+    sent = itertools.count()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2)) as s:
 
         async def one_connection() -> None:
             while not stop.is_set():
+                body = bodies[next(sent) % len(bodies)]
                 async with s.post(url + path, data=body,
                                   headers={"Content-Type": "application/json"}) as resp:
                     await resp.read()
@@ -109,7 +114,9 @@ async def compare(url: str, args: argparse.Namespace) -> None:
           f"{'alone p99':>11}{'with p50':>10}{'with p99':>10}  attacker answers")
     await victim(url, 2.0, args.concurrency)  # warm up
     for kind in args.kinds.split(","):
-        body = attack_body(kind, rng)
+        # fresh text per request defeats the count cache (64 MiB: about 8 such bodies)
+        bodies = [attack_body(kind, rng)
+                  for _ in range(UNIQUE_BODIES if kind == "unique-text" else 1)]
         alone_tp: list[float] = []
         with_tp: list[float] = []
         alone_lat: list[float] = []
@@ -120,7 +127,7 @@ async def compare(url: str, args: argparse.Namespace) -> None:
             alone_lat += lat
             alone_tp.append(tp)
             stop = asyncio.Event()
-            attack = asyncio.ensure_future(attacker(url, body, stop, statuses))
+            attack = asyncio.ensure_future(attacker(url, bodies, stop, statuses))
             await asyncio.sleep(0.5)  # the attack under way
             lat, tp = await victim(url, args.seconds, args.concurrency)
             stop.set()

@@ -285,7 +285,8 @@ class ByteLevelBPEEncoder:
         facts = PATTERNS.get(plan.pattern)
         self._cutter = None if facts is None else RunCutter(
             plan.pattern, encode_ordinary=self._core_encode,
-            encode_piece=core._core_bpe.encode_single_piece)
+            encode_piece=core._core_bpe.encode_single_piece,
+            encode_long_run=self._reference_run)
         self._check_gaps = facts is None or not facts.total
         if self._check_gaps:
             gap_runs()  # built once (~0.3 s), at load rather than on a request
@@ -336,6 +337,14 @@ class ByteLevelBPEEncoder:
                         "(%s: %s); counting it with tokenizers", len(original),
                         type(exc).__name__, exc)
             return self._ref.encode_segment(original)
+
+    def _reference_run(self, run: str) -> list[int]:
+        """A whitespace run too long for the core's regex, by the reference in a call
+        that releases the GIL (one piece there too: the same pattern; NFC leaves
+        whitespace alone)."""
+        ids: list[int] = self._ref.tokenizer.encode_batch(
+            [run], add_special_tokens=False)[0].ids
+        return ids
 
     def _long(self, piece: str) -> list[int]:
         """A piece of `LONG_RUN` characters or more, for the core: a long whitespace run

@@ -36,8 +36,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["LONG_RUN", "PATTERNS", "WHITESPACE", "CountFailed", "PatternFacts", "RunCheck",
-           "RunCutter", "gap_runs", "is_library_failure", "is_panic", "whitespace_runs"]
+__all__ = ["CORE_RUN", "LONG_RUN", "PATTERNS", "WHITESPACE", "CountFailed", "PatternFacts",
+           "RunCheck", "RunCutter", "gap_runs", "is_library_failure", "is_panic",
+           "whitespace_runs"]
 
 
 class CountFailed(Exception):
@@ -81,6 +82,8 @@ _HORIZONTAL = "".join(ch for ch in WHITESPACE if ch not in "\r\n")
 # is found; runs of more than half of it may be reported too.
 LONG_RUN = 65_536
 _STEP = LONG_RUN // 2
+# A run alone this long still passes the core's regex (999,998 do), with room to spare.
+CORE_RUN = 8 * LONG_RUN
 
 
 class RunCheck:
@@ -226,13 +229,29 @@ class RunCutter:
     """
 
     def __init__(self, pattern: str, *, encode_ordinary: Callable[[str], list[int]],
-                 encode_piece: Callable[[bytes], list[int]], min_run: int = _STEP) -> None:
+                 encode_piece: Callable[[bytes], list[int]], min_run: int = _STEP,
+                 encode_long_run: Callable[[str], list[int]] | None = None) -> None:
+        """`encode_long_run`: BPE of a run too long for the core's regex, without the
+        GIL (`tokenizers`' `encode_batch` releases it, `encode_single_piece` does not:
+        4 MB of spaces held every other thread for 2.5 s); `encode_piece` otherwise."""
         facts = PATTERNS[pattern]
         cls = re.escape(_HORIZONTAL if facts.newline_branch else WHITESPACE)
         # Anchored at a run's start, so each run is scanned once, not from each character.
         self._runs = re.compile(f"(?<![{cls}])[{cls}]{{{max(2, min_run)},}}")
         self._encode = encode_ordinary
         self._piece = encode_piece
+        self._long_run = encode_long_run
+
+    def _run(self, run: str) -> list[int]:
+        """BPE of one run, as one piece. Up to `CORE_RUN` characters through the core's
+        own regex, which releases the GIL: a run of the run class alone is one match
+        there (no branch before the whitespace ones matches at its start, and
+        `\\s++$` or `\\s+(?!\\S)` takes it whole at the end of the text)."""
+        if len(run) <= CORE_RUN:
+            return self._encode(run)
+        if self._long_run is not None:
+            return self._long_run(run)
+        return self._piece(run.encode("utf-8"))
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -246,7 +265,7 @@ class RunCutter:
                 end -= 1  # the run's last character goes with what follows it
             if start > pos:
                 ids += self._encode(text[pos:start])
-            ids += self._piece(text[start:end].encode("utf-8"))
+            ids += self._run(text[start:end])
             pos = end
         if pos < n:
             ids += self._encode(text[pos:])
