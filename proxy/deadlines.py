@@ -4,7 +4,7 @@ Pure arithmetic, no asyncio: releases at the recent rate (tokens per second) fre
 in queue order; each waiter takes its tokens when the freed room covers them, unless
 its deadline comes first, in which case it leaves the queue without taking any. In a
 deep queue most of those ahead time out; counting them all would refuse requests that
-would have got in (measured with `kvgate simulate`: see `proxy.admission`).
+would have got in (measured with `kvgate simulate`: see `proxy.queue_forecast`).
 
 A newcomer is judged once more, at arrival, with `passed_wait_s`: the queue order is
 not the order room is taken in. Dispatch lets a smaller waiter take room a larger one
