@@ -273,15 +273,20 @@ class RedisLedger:
                     f"lease {lease_id!r} is already recorded with {recorded} tokens, "
                     f"not {tokens}"
                 )
-            status, result = 1, [1, resident, 0, result[3]]  # what it was charged: lost
+            # Register what the first run recorded: the keys its record references
+            # (not all those brought, where some were registered but not ready then).
+            # What ready blocks covered then is not recorded: `shared` stays 0.
+            status, result = 1, [1, resident, 0, result[3], result[4]]
         if status == 1 and lease_id not in self._live:
             self._record(lease_id, backend, tokens, blocks, block_tokens, result)
         return status == 1
 
     def _record(self, lease_id: str, backend: str, tokens: int, blocks: Sequence[str],
                 block_tokens: int, result: list[Any]) -> None:
-        """What the script registered: the keys it referenced are all those brought,
-        or the list it sent back (a key registered but not ready is paid in full)."""
+        """What the script registered: the keys it referenced are the list it sent back,
+        or, where it sent none, all those brought (a key registered but not ready is
+        paid in full, not referenced). A retry's "already recorded" reply always sends
+        the list its record holds."""
         live = LiveLease(backend, tokens, shared=int(result[2]))
         if int(result[3]):
             which = as_text(result[4]) if len(result) > 4 else ""
