@@ -26,6 +26,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,36 @@ def as_text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class _Repeats:
+    """Logs a fault that recurs (on every refresh pass, on every release to a broken key)
+    once per `every_s`, then says how often it recurred since: a lasting fault stays in
+    sight without flooding the log. Faults are told apart by a key (what failed, where,
+    and the error)."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self._every_s = every_s
+        self._seen: dict[tuple[str, ...], list[float]] = {}  # key -> [logged at, since]
+
+    def log(self, key: tuple[str, ...], level: int, message: str, *args: Any,
+            exc_info: BaseException | None = None) -> None:
+        now = time.monotonic()
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self._every_s:
+            seen[1] += 1
+            return
+        if seen is not None and seen[1]:
+            message += " (and %d more like it since it was last logged)"
+            args += (int(seen[1]),)
+        if len(self._seen) >= 1024:  # keys carry error texts: keep them bounded
+            self._seen.clear()
+        self._seen[key] = [now, 0]
+        log.log(level, message, *args, exc_info=exc_info)
+
+
+def _fault(exc: BaseException) -> tuple[str, str]:
+    return type(exc).__name__, str(exc)
+
+
 class Upkeep:
     """The ledger's background tasks, and the loss and rebuild state they share with it."""
 
@@ -113,6 +144,8 @@ class Upkeep:
         # redis-py's get_message can absorb a cancel, so the listener stops on a flag
         self._closing = closing
         self._listeners: list[Callable[[str], None]] = []
+        self._repeats = _Repeats()
+        self._was_available = False
         self._client: aioredis.Redis | None = None
         self.reachable = False
         self._policy_said: str | None = None
@@ -193,8 +226,20 @@ class Upkeep:
 
     def _notify_all(self) -> None:
         for backend in self._backends:
-            for callback in self._listeners:
+            self._notify(backend)
+
+    def _notify(self, backend: str) -> None:
+        """Tell each listener; one that raises is logged and the others are still told:
+        a listener's bug must not stop the loop that calls it (the worker, the refresh
+        pass, the pub/sub listener) nor a reserve that has just been recorded."""
+        for callback in self._listeners:
+            try:
                 callback(backend)
+            except Exception as exc:
+                self._repeats.log(
+                    ("listener", repr(callback), *_fault(exc)), logging.ERROR,
+                    "shared ledger: a listener (%r) raised on a notice for %s; the ledger "
+                    "goes on", callback, backend, exc_info=exc)
 
     # ------------------------------------------------------------------ loss and rebuild
     def refusal(self, backend: str, status: int, left_ms: int) -> LedgerUnavailable:
@@ -246,26 +291,56 @@ class Upkeep:
         a burst of N releases costs one round trip, not N. The retry delay stays within
         one refresh interval, so a replica re-registers its leases promptly once Redis
         is back.
+
+        Only a cancel stops the worker: one that stopped would leave every later release
+        unsent (held in Redis until its TTL) and `drain()` waiting forever. Anything else
+        a batch raises besides Redis' errors (a bug: a reply misread) is logged with its
+        traceback and the batch dropped, not retried, since the same bug would fail it
+        again: a dropped release's lease is reclaimed by Redis at its TTL (this replica
+        no longer renews it), a dropped renewal is queued again by the next refresh
+        pass, a dropped ready mark leaves its blocks unshared (charged in full). Each
+        failure in a row pauses the worker twice as long, up to the retry delay's cap,
+        so a failure that repeats does not spin.
         """
         max_delay = min(1.0, max(0.05, self._refresh_s))
+        failed = 0  # batches in a row that raised
         while True:
             batch = [await self._ops.get()]
             while len(batch) < 512 and not self._ops.empty():
                 batch.append(self._ops.get_nowait())
             try:
-                delay = 0.05
-                while True:
-                    try:
-                        await self._run_batch(batch)
-                        self.set_reachable(True)
-                        break
-                    except CONNECTION_ERRORS as exc:
-                        self.set_reachable(False, exc)
-                        await asyncio.sleep(delay)
-                        delay = min(max_delay, delay * 2)
+                await self._apply(batch, max_delay)
+                failed = 0
+            except Exception as exc:
+                failed += 1
+                kinds = Counter(kind for kind, _, _ in batch)
+                self._repeats.log(
+                    ("worker", *_fault(exc)), logging.ERROR,
+                    "shared ledger: a batch of %s failed and is dropped, not retried "
+                    "(released leases are reclaimed at their TTL, renewals are queued "
+                    "again by the refresh pass); the worker goes on",
+                    ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
+                    exc_info=exc)
+                for kind, backend, _ in batch:
+                    if kind == "renew":
+                        self._renew_pending.discard(backend)
+                await asyncio.sleep(min(max_delay, 0.05 * 2 ** min(failed, 8)))
             finally:
                 for _ in batch:
                     self._ops.task_done()
+
+    async def _apply(self, batch: list[Op], max_delay: float) -> None:
+        """Run `batch`, retrying while Redis cannot be reached."""
+        delay = 0.05
+        while True:
+            try:
+                await self._run_batch(batch)
+                self.set_reachable(True)
+                return
+            except CONNECTION_ERRORS as exc:
+                self.set_reachable(False, exc)
+                await asyncio.sleep(delay)
+                delay = min(max_delay, delay * 2)
 
     async def _run_batch(self, batch: list[Op]) -> None:
         assert self._client is not None
@@ -330,37 +405,54 @@ class Upkeep:
     # ------------------------------------------------------------------ the refresh pass
     async def maintain(self) -> None:
         """Renew leases every ttl/3 (every pass while unreachable or rebuilding), else
-        reclaim expired ones, check the epoch and repair drift; refresh the resident view."""
+        reclaim expired ones, check the epoch and repair drift; refresh the resident view.
+
+        Only a cancel stops it: the refresh pass queues the renewals, and one that
+        stopped would let every live lease of this replica expire. A pass that raises
+        anything besides Redis' errors (a bug) is logged with its traceback, and the
+        next pass runs on schedule: passes are `refresh_interval_s` apart whether they
+        fail or not, so a failure that repeats does not spin.
+        """
         renew_every_s = self._ttl_ms / 3000
         since_renew = renew_every_s
-        was_available = self.available
+        self._was_available = self.available
         while True:
-            if since_renew >= renew_every_s or not self.available:
-                for backend in self._backends:
-                    self._queue_renewal(backend)
+            renew = since_renew >= renew_every_s or not self.available
+            if renew:
                 since_renew = 0.0
-            else:
-                try:
-                    await self._reclaim_expired()
-                except CONNECTION_ERRORS as exc:
-                    self.set_reachable(False, exc)
-            if self.reachable and (not self._policy_checked_at or time.monotonic()
-                                   - self._policy_checked_at >= renew_every_s):
-                with contextlib.suppress(*CONNECTION_ERRORS):
-                    problem = await self.check_eviction_policy()
-                    self._policy_checked_at = time.monotonic()
-                    if problem is not None:
-                        # Too late to refuse to start: say it loudly; a lost lease hash
-                        # is still caught by the epoch and rebuilt.
-                        self._say_policy("unsafe", logging.ERROR, "%s", problem)
-            available = self.available
-            if available and not was_available and self.reachable:
-                log.warning("shared ledger admits again")
-            was_available = available
-            # Waiters re-check after each pass: this covers a lost pub/sub message.
-            self._notify_all()
+            try:
+                await self._pass(renew, renew_every_s)
+            except Exception as exc:
+                self._repeats.log(("refresh", *_fault(exc)), logging.ERROR,
+                                  "shared ledger: a refresh pass failed; the next runs in "
+                                  "%.1f s", self._refresh_s, exc_info=exc)
             await asyncio.sleep(self._refresh_s)
             since_renew += self._refresh_s
+
+    async def _pass(self, renew: bool, renew_every_s: float) -> None:
+        if renew:
+            for backend in self._backends:
+                self._queue_renewal(backend)
+        else:
+            try:
+                await self._reclaim_expired()
+            except CONNECTION_ERRORS as exc:
+                self.set_reachable(False, exc)
+        if self.reachable and (not self._policy_checked_at or time.monotonic()
+                               - self._policy_checked_at >= renew_every_s):
+            with contextlib.suppress(*CONNECTION_ERRORS):
+                problem = await self.check_eviction_policy()
+                self._policy_checked_at = time.monotonic()
+                if problem is not None:
+                    # Too late to refuse to start: say it loudly; a lost lease hash
+                    # is still caught by the epoch and rebuilt.
+                    self._say_policy("unsafe", logging.ERROR, "%s", problem)
+        available = self.available
+        if available and not self._was_available and self.reachable:
+            log.warning("shared ledger admits again")
+        self._was_available = available
+        # Waiters re-check after each pass: this covers a lost pub/sub message.
+        self._notify_all()
 
     async def _reclaim_expired(self) -> None:
         """One pipelined pass: reclaim expired leases, check each backend's epoch, repair
@@ -382,7 +474,11 @@ class Upkeep:
 
     # ------------------------------------------------------------------ the listener
     async def listen(self) -> None:
-        """Release notices from every replica: refresh the resident view and wake waiters."""
+        """Release notices from every replica: refresh the resident view and wake waiters.
+
+        Only `close()` stops it: anything it raises besides Redis' errors (a bug, a
+        notice it cannot read) is logged with its traceback and it subscribes again
+        after a refresh interval."""
         while not self._closing():
             try:
                 assert self._client is not None
@@ -398,8 +494,7 @@ class Upkeep:
                         backend = message["data"].decode()
                         value = await self._client.get(self._keys(backend)[0])
                         self._resident[backend] = int(value or 0)
-                        for callback in self._listeners:
-                            callback(backend)
+                        self._notify(backend)
                 finally:
                     # Bounded: closing a pub/sub connection mid-read can otherwise hang
                     # a cancelled task (and with it, shutdown).
@@ -407,4 +502,10 @@ class Upkeep:
                         async with asyncio.timeout(1.0):
                             await pubsub.aclose()  # type: ignore[no-untyped-call]
             except CONNECTION_ERRORS:
+                await asyncio.sleep(self._refresh_s)
+            except Exception as exc:
+                self._repeats.log(("listen", *_fault(exc)), logging.ERROR,
+                                  "shared ledger: the release-notice listener failed; it "
+                                  "subscribes again in %.1f s", self._refresh_s,
+                                  exc_info=exc)
                 await asyncio.sleep(self._refresh_s)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis
@@ -394,5 +396,115 @@ def test_redis_release_is_queued_and_drain_waits_until_redis_applied_it(
             assert await led.resident_now("gpu-a") > 0  # queued, not applied yet
             await led.drain()
             assert await led.resident_now("gpu-a") == 0
+
+    asyncio.run(scenario())
+
+
+def error_records(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    """The ledger's log records whose exception (logged with its traceback) says `text`."""
+    return [r for r in caplog.records if r.name == "kvgate.ledger" and r.exc_info
+            and text in str(r.exc_info[1])]
+
+
+def test_redis_a_listener_that_raises_stops_no_background_loop(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A listener that raises (a bug in what wakes the waiters) killed whichever loop
+    called it: the refresh pass on its first pass, the pub/sub listener on the first
+    release notice, the worker once Redis was back after an outage; releases then never
+    reached Redis and `drain()` hung. Each loop logs it, with its traceback, and goes on;
+    a listener that raises on every call is logged once, not on every pass."""
+    caplog.set_level(logging.WARNING, logger="kvgate.ledger")
+
+    async def scenario() -> None:
+        calls: list[str] = []
+
+        def broken(backend: str) -> None:
+            calls.append(backend)
+            raise RuntimeError("a waiter's bug")
+
+        led = ledger(redis_server, ttl=3.0, refresh=0.1, window=0.2)
+        led.add_listener(broken)
+        await led.start()
+        admin = aioredis.Redis.from_url(redis_server.url)
+        try:
+            lease = lid()
+            assert await led.reserve("gpu-a", lease, 30, 100)
+            led.release(lease)  # a release notice for the pub/sub listener
+            await led.drain()
+            # the refresh pass: a lease nobody renews is reclaimed on its schedule
+            keys = led.keys("gpu-a")
+            await admin.eval(RESERVE_LUA, len(keys), *keys, lid(), 40, 100,  # type: ignore[misc]
+                             300, "t:released", "gpu-a", led._epoch["gpu-a"], 0, "")
+            async with asyncio.timeout(3):
+                while await led.resident_now("gpu-a") != 0:
+                    await asyncio.sleep(0.02)
+            # the worker: Redis is back after an outage, which listeners are told
+            await asyncio.to_thread(redis_server.stop)
+            with pytest.raises(LedgerUnavailable):
+                await led.reserve("gpu-a", lid(), 10, 100)
+            await asyncio.to_thread(redis_server.start)
+            async with asyncio.timeout(5):
+                while not led.available:
+                    await asyncio.sleep(0.02)
+            lease = lid()
+            assert await led.reserve("gpu-a", lease, 30, 100)
+            led.release(lease)
+            async with asyncio.timeout(5):
+                await led.drain()
+            assert await led.resident_now("gpu-a") == 0
+            assert not any(task.done() for task in led._tasks)
+            assert len(calls) > 10
+            assert len(error_records(caplog, "a waiter's bug")) == 1
+        finally:
+            await admin.aclose()
+            await led.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_an_unexpected_error_stops_neither_the_worker_nor_the_refresh_pass(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Anything else either loop may raise (a reply misread, a bug): the worker logs it,
+    drops that batch (the same bug would fail it again, so no retry loop) and runs the
+    next, so later releases still reach Redis; the refresh pass logs it and runs its next
+    pass on schedule, one per interval, not in a spin."""
+    caplog.set_level(logging.WARNING, logger="kvgate.ledger")
+
+    async def scenario() -> None:
+        async with started(redis_server, refresh=0.1) as led:
+            upkeep = led._upkeep
+            doomed, kept = lid(), lid()
+            assert await led.reserve("gpu-a", doomed, 30, 100)
+            assert await led.reserve("gpu-a", kept, 40, 100)
+            real_batch = upkeep._run_batch
+            passes = 0
+
+            async def failing_batch(batch: Any, *args: Any) -> Any:
+                if any(lease == doomed for _, _, lease in batch):
+                    raise RuntimeError("a batch's bug")
+                return await real_batch(batch, *args)
+
+            async def failing_pass() -> None:
+                nonlocal passes
+                passes += 1
+                raise RuntimeError("a pass's bug")
+
+            upkeep._run_batch = failing_batch  # type: ignore[method-assign]
+            upkeep._reclaim_expired = failing_pass  # type: ignore[method-assign]
+            led.release(doomed)
+            async with asyncio.timeout(5):
+                await led.drain()
+            led.release(kept)
+            async with asyncio.timeout(5):
+                await led.drain()
+            # the failed batch is dropped: Redis holds its lease until the TTL
+            assert await led.resident_now("gpu-a") == 30
+            await asyncio.sleep(1.0)
+            assert 5 <= passes <= 15
+            assert not any(task.done() for task in led._tasks)
+            assert len(error_records(caplog, "a batch's bug")) == 1
+            assert len(error_records(caplog, "a pass's bug")) == 1
 
     asyncio.run(scenario())
