@@ -17,9 +17,11 @@ Losing the data, drift and eviction: `proxy.redis_scripts`, where the scripts th
 detect and repair them live.
 
 `release()` never awaits: it drops the lease locally and queues the script on one
-worker task, which runs releases and renewals in order and retries them until
-Redis answers. While Redis cannot be reached, `reserve()` raises
-`LedgerUnavailable`: kvgate never admits blindly.
+worker task, which runs releases and renewals in order and retries them while Redis
+cannot be reached. While it cannot, `reserve()` raises `LedgerUnavailable`: kvgate
+never admits blindly. An error reply (a WRONGTYPE, a script's error, a NOSCRIPT that
+loading the script does not fix) is no outage: the operation it answers is logged
+and settled alone, not retried (`proxy.redis_upkeep.refused` says how, and why).
 
 Release notifications go over pub/sub (`<prefix>:released`, payload = backend), so
 a waiter on replica B wakes when replica A releases; a periodic refresh covers a
@@ -42,7 +44,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from proxy.errors import LedgerUnavailable
 from proxy.redis_policy import UnsafeRedisConfig
 from proxy.redis_scripts import LOST, RESERVE_LUA, RESIZE_LUA
-from proxy.redis_upkeep import CONNECTION_ERRORS, KEY_CHARS, LiveLease, Op, Upkeep, as_text
+from proxy.redis_upkeep import (
+    KEY_CHARS,
+    REDIS_ERRORS,
+    LiveLease,
+    Op,
+    Upkeep,
+    as_text,
+    unreachable,
+)
 
 __all__ = ["RedisLedger", "UnsafeRedisConfig"]
 
@@ -246,11 +256,23 @@ class RedisLedger:
             # The script may have run: undo it (the release script ignores unknown leases).
             self._ops.put_nowait(("release", backend, lease_id))
             raise
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             # The script may have run and only its reply was lost (a timeout, a
-            # connection cut after the retry): undo it like a cancelled reserve, or
-            # the capacity would be held by nobody until the TTL.
+            # connection cut after the retry), or failed midway (Redis keeps what a
+            # script wrote before its error): undo it like a cancelled reserve, or the
+            # capacity would be held by nobody until the TTL.
             self._ops.put_nowait(("release", backend, lease_id))
+            if not unreachable(exc):
+                # An error reply (`proxy.redis_upkeep.refused`): Redis is there, this
+                # backend's ledger does not work. Its details go to the log, not to
+                # the client.
+                self._upkeep.say_refused("reserve", backend, lease_id, exc,
+                                         "answered 503 ledger_unavailable")
+                raise LedgerUnavailable(
+                    f"the shared ledger of {backend!r} refused the reserve (an error "
+                    "reply from Redis, logged); kvgate does not admit without it",
+                    retry_after_s=self._refresh_s * 4,
+                ) from exc
             self._upkeep.set_reachable(False, exc)
             raise LedgerUnavailable(
                 f"the shared ledger cannot be reached ({type(exc).__name__}); "
@@ -273,15 +295,20 @@ class RedisLedger:
                     f"lease {lease_id!r} is already recorded with {recorded} tokens, "
                     f"not {tokens}"
                 )
-            status, result = 1, [1, resident, 0, result[3]]  # what it was charged: lost
+            # Register what the first run recorded: the keys its record references
+            # (not all those brought, where some were registered but not ready then).
+            # What ready blocks covered then is not recorded: `shared` stays 0.
+            status, result = 1, [1, resident, 0, result[3], result[4]]
         if status == 1 and lease_id not in self._live:
             self._record(lease_id, backend, tokens, blocks, block_tokens, result)
         return status == 1
 
     def _record(self, lease_id: str, backend: str, tokens: int, blocks: Sequence[str],
                 block_tokens: int, result: list[Any]) -> None:
-        """What the script registered: the keys it referenced are all those brought,
-        or the list it sent back (a key registered but not ready is paid in full)."""
+        """What the script registered: the keys it referenced are the list it sent back,
+        or, where it sent none, all those brought (a key registered but not ready is
+        paid in full, not referenced). A retry's "already recorded" reply always sends
+        the list its record holds."""
         live = LiveLease(backend, tokens, shared=int(result[2]))
         if int(result[3]):
             which = as_text(result[4]) if len(result) > 4 else ""
@@ -313,9 +340,13 @@ class RedisLedger:
                 args=[lease_id, tokens - live.ref_tokens, capacity, self._channel, backend,
                       self._epoch.get(backend, "")],
             )
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             # The lease keeps its recorded size; the request itself goes on.
-            self._upkeep.set_reachable(False, exc)
+            if unreachable(exc):
+                self._upkeep.set_reachable(False, exc)
+            else:
+                self._upkeep.say_refused("resize", backend, lease_id, exc,
+                                         "the lease keeps its size")
             return live.tokens
         self._upkeep.set_reachable(True)
         granted = int(result[0])

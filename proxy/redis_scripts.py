@@ -194,21 +194,26 @@ LOST, STALE, REBUILDING = -2, -3, -4
 # ARGV[8] block size, ARGV[9] its shared-prefix block keys, 16 hex digits each
 # returns {1 reserved | 0 no room | -1 lease id already recorded, resident after,
 #          tokens ready blocks of others covered (1) | tokens the recorded lease spans
-#          (-1), blocks it references, those keys where not all it brought} or an
-#          epoch refusal (-2, -3, -4)
+#          (-1), blocks it references, those keys where not all it brought (1) | the
+#          keys its record references, always (-1)} or an epoch refusal (-2, -3, -4).
+# A -1 is a retry whose first reply was lost: the keys are what the first run
+# registered (a key registered by another lease but not ready then is paid in full and
+# not referenced), so the replica records what Redis holds, not what it brought. What
+# ready blocks covered at that first run is not recorded, so a -1 cannot say it.
 RESERVE_LUA = _NOW + _SUM + _RECLAIM + _epoch_check(7) + """
 if reclaim() > 0 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end
 local res = tonumber(redis.call('GET', KEYS[1]))
 local recorded = redis.call('HGET', KEYS[2], ARGV[1])
 if recorded then
   local list = redis.call('HGET', KEYS[2], '#' .. ARGV[1])
-  local span, nrefs = tonumber(recorded), 0
+  local span, nrefs, which = tonumber(recorded), 0, ''
   if list then
     local bar = string.find(list, '|', 1, true)
     nrefs = (#list - bar) / 16
     span = span + tonumber(string.sub(list, 1, bar - 1)) * nrefs
+    which = string.sub(list, bar + 1)
   end
-  return {-1, res, span, nrefs}
+  return {-1, res, span, nrefs, which}
 end
 local tokens = tonumber(ARGV[2])
 local bt, ks = tonumber(ARGV[8]), ARGV[9]

@@ -5,7 +5,8 @@ those answers right between calls lives here, the way redis-py keeps a connectio
 upkeep apart from its commands:
 
 * the worker: releases, ready marks and renewals, in order, pipelined in batches,
-  retried until Redis answers (so `release()` never awaits);
+  retried while Redis cannot be reached (so `release()` never awaits); an error reply
+  is not retried (`refused`);
 * the refresh pass: renewals every ttl/3, else reclaiming expired leases, checking
   each backend's epoch and repairing drift; and the eviction-policy check;
 * the listener: release notices over pub/sub, so a waiter wakes on another replica's
@@ -26,22 +27,81 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    ClusterDownError,
+    InvalidResponse,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.errors import LedgerUnavailable
 from proxy.redis_policy import UnsafeRedisConfig, eviction_risk
 from proxy.redis_scripts import LOST, READY_LUA, REBUILDING, RECLAIM_LUA, RELEASE_LUA, RENEW_LUA
 
-__all__ = ["CONNECTION_ERRORS", "KEY_CHARS", "LiveLease", "Op", "Upkeep", "as_text"]
+__all__ = ["KEY_CHARS", "REDIS_ERRORS", "LiveLease", "Op", "Upkeep", "as_text", "refused",
+           "unreachable"]
 
 log = logging.getLogger("kvgate.ledger")
 
-CONNECTION_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+# What a call to Redis may raise: `unreachable` tells a failure to reach it (retried),
+# `refused` an error reply (not retried).
+REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+# Error replies that say "not now" rather than "never": a server still loading or
+# demoted to a replica, a script running too long, memory full under noeviction, a
+# cluster reconfiguring, too few replicas for a write. They pass, and count as Redis
+# being out of reach meanwhile. (redis-py strips the code from the errors it has a
+# class for.)
+_PASSING_REPLIES = (ClusterDownError, OutOfMemoryError, ReadOnlyError, TryAgainError)
+_PASSING_CODES = frozenset({"BUSY", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "NOREPLICAS",
+                            "OOM", "READONLY", "TRYAGAIN"})
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether `exc` is an error reply that asking again will not change: a WRONGTYPE (a
+    key another program wrote), a script's runtime error, NOSCRIPT where loading the
+    script is refused, NOPERM, an unknown command.
+
+    Redis answered, so it is not an outage, and is not handled as one. Retrying would
+    fail the same way for good and hold up everything queued behind it (the worker
+    runs in order), and marking Redis unreachable would refuse admission on every
+    backend, and log an outage, for one key that is broken. So each operation it
+    answers is logged as refused and settled on its own: a reserve answers 503 (kvgate
+    never admits without the ledger), a resize keeps the lease's size, a release still
+    counts as released on this replica (its lease, no longer renewed, is reclaimed by a
+    refresh pass at its TTL once the scripts run again there), a ready mark leaves its
+    blocks unshared (charged in full: the safe side), and a renewal, a refresh pass and
+    a resident read are done again on the next pass.
+    """
+    if not isinstance(exc, ResponseError):
+        return False
+    return not (isinstance(exc, _PASSING_REPLIES)
+                or str(exc).partition(" ")[0] in _PASSING_CODES)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether `exc` says Redis cannot serve the ledger for now: no answer (a lost
+    connection, a timeout, a garbled reply) or an error reply that passes. Retried,
+    and meanwhile the ledger refuses admission. What is neither (an error in the
+    client's own input) is a bug, for the caller's catch-all."""
+    if isinstance(exc, ResponseError):
+        return not refused(exc)
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError, InvalidResponse,
+                            OSError, asyncio.TimeoutError))
+
+
 KEY_CHARS = 16  # a block key: 64 bits in hex (`proxy.prefix_blocks`)
 
 # What the worker runs, in order: (kind, backend, lease_id), kind "release", "ready" or
@@ -72,6 +132,36 @@ class LiveLease:
 
 def as_text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class _Repeats:
+    """Logs a fault that recurs (on every refresh pass, on every release to a broken key)
+    once per `every_s`, then says how often it recurred since: a lasting fault stays in
+    sight without flooding the log. Faults are told apart by a key (what failed, where,
+    and the error)."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self._every_s = every_s
+        self._seen: dict[tuple[str, ...], list[float]] = {}  # key -> [logged at, since]
+
+    def log(self, key: tuple[str, ...], level: int, message: str, *args: Any,
+            exc_info: BaseException | None = None) -> None:
+        now = time.monotonic()
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self._every_s:
+            seen[1] += 1
+            return
+        if seen is not None and seen[1]:
+            message += " (and %d more like it since it was last logged)"
+            args += (int(seen[1]),)
+        if len(self._seen) >= 1024:  # keys carry error texts: keep them bounded
+            self._seen.clear()
+        self._seen[key] = [now, 0]
+        log.log(level, message, *args, exc_info=exc_info)
+
+
+def _fault(exc: BaseException) -> tuple[str, str]:
+    return type(exc).__name__, str(exc)
 
 
 class Upkeep:
@@ -113,6 +203,8 @@ class Upkeep:
         # redis-py's get_message can absorb a cancel, so the listener stops on a flag
         self._closing = closing
         self._listeners: list[Callable[[str], None]] = []
+        self._repeats = _Repeats()
+        self._was_available = False
         self._client: aioredis.Redis | None = None
         self.reachable = False
         self._policy_said: str | None = None
@@ -136,7 +228,7 @@ class Upkeep:
         `UnsafeRedisConfig`) and register every backend's leases under the current
         epoch (starting one on an empty ledger). -> whether Redis answered."""
         assert self._client is not None
-        with contextlib.suppress(*CONNECTION_ERRORS):
+        with contextlib.suppress(*REDIS_ERRORS):
             await self._client.ping()
             self.reachable = True
         if not self.reachable:
@@ -144,12 +236,12 @@ class Upkeep:
         try:
             problem = await self.check_eviction_policy()
             self._policy_checked_at = time.monotonic()
-        except CONNECTION_ERRORS:
+        except REDIS_ERRORS:
             problem = None  # read on the first refresh pass that reaches Redis
         if problem is not None:
             await self._client.aclose()
             raise UnsafeRedisConfig(problem)
-        with contextlib.suppress(*CONNECTION_ERRORS):
+        with contextlib.suppress(*REDIS_ERRORS):
             await self._run_batch([("renew", b, "") for b in self._backends])
         return True
 
@@ -191,10 +283,31 @@ class Upkeep:
         log.warning("shared ledger is reachable")
         self._notify_all()
 
+    def say_refused(self, what: str, backend: str, lease_id: str, exc: BaseException,
+                    then: str) -> None:
+        """Log an error reply as one (`refused`): what Redis refused, for which lease on
+        which backend, its reply, and what follows; the same again once per 30 s."""
+        whose = f" of lease {lease_id}" if lease_id else ""
+        self._repeats.log((what, backend, *_fault(exc)), logging.ERROR,
+                          "shared ledger of %s: Redis refused the %s%s: %s: %s; %s",
+                          backend, what, whose, type(exc).__name__, exc, then)
+
     def _notify_all(self) -> None:
         for backend in self._backends:
-            for callback in self._listeners:
+            self._notify(backend)
+
+    def _notify(self, backend: str) -> None:
+        """Tell each listener; one that raises is logged and the others are still told:
+        a listener's bug must not stop the loop that calls it (the worker, the refresh
+        pass, the pub/sub listener) nor a reserve that has just been recorded."""
+        for callback in self._listeners:
+            try:
                 callback(backend)
+            except Exception as exc:
+                self._repeats.log(
+                    ("listener", repr(callback), *_fault(exc)), logging.ERROR,
+                    "shared ledger: a listener (%r) raised on a notice for %s; the ledger "
+                    "goes on", callback, backend, exc_info=exc)
 
     # ------------------------------------------------------------------ loss and rebuild
     def refusal(self, backend: str, status: int, left_ms: int) -> LedgerUnavailable:
@@ -246,28 +359,77 @@ class Upkeep:
         a burst of N releases costs one round trip, not N. The retry delay stays within
         one refresh interval, so a replica re-registers its leases promptly once Redis
         is back.
+
+        Only a cancel stops the worker: one that stopped would leave every later release
+        unsent (held in Redis until its TTL) and `drain()` waiting forever. Anything else
+        a batch raises besides Redis' errors (a bug: a reply misread) is logged with its
+        traceback and the batch dropped, not retried, since the same bug would fail it
+        again: a dropped release's lease is reclaimed by Redis at its TTL (this replica
+        no longer renews it), a dropped renewal is queued again by the next refresh
+        pass, a dropped ready mark leaves its blocks unshared (charged in full). Each
+        failure in a row pauses the worker twice as long, up to the retry delay's cap,
+        so a failure that repeats does not spin.
         """
         max_delay = min(1.0, max(0.05, self._refresh_s))
+        failed = 0  # batches in a row that raised
         while True:
             batch = [await self._ops.get()]
             while len(batch) < 512 and not self._ops.empty():
                 batch.append(self._ops.get_nowait())
             try:
-                delay = 0.05
-                while True:
-                    try:
-                        await self._run_batch(batch)
-                        self.set_reachable(True)
-                        break
-                    except CONNECTION_ERRORS as exc:
-                        self.set_reachable(False, exc)
-                        await asyncio.sleep(delay)
-                        delay = min(max_delay, delay * 2)
+                await self._apply(batch, max_delay)
+                failed = 0
+            except Exception as exc:
+                failed += 1
+                kinds = Counter(kind for kind, _, _ in batch)
+                self._repeats.log(
+                    ("worker", *_fault(exc)), logging.ERROR,
+                    "shared ledger: a batch of %s failed and is dropped, not retried "
+                    "(released leases are reclaimed at their TTL, renewals are queued "
+                    "again by the refresh pass); the worker goes on",
+                    ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
+                    exc_info=exc)
+                for kind, backend, _ in batch:
+                    if kind == "renew":
+                        self._renew_pending.discard(backend)
+                await asyncio.sleep(min(max_delay, 0.05 * 2 ** min(failed, 8)))
             finally:
                 for _ in batch:
                     self._ops.task_done()
 
-    async def _run_batch(self, batch: list[Op]) -> None:
+    async def _apply(self, batch: list[Op], max_delay: float) -> None:
+        """Run `batch`: what Redis cannot run now (no answer, or an error reply that
+        passes) is sent again, backing off, until it can; an error reply that does not
+        pass settles its op alone (`refused`), so it holds up nothing queued behind it."""
+        delay = 0.05
+        reloaded = False
+        while batch:
+            error: BaseException | None
+            try:
+                batch, error, noscript = await self._run_batch(batch, reloaded)
+            except REDIS_ERRORS as exc:
+                if not unreachable(exc):
+                    raise  # not Redis failing: the worker's catch-all logs it
+                error = exc
+            else:
+                reloaded = reloaded or noscript
+                if error is None:
+                    # Redis answered; a NOSCRIPT is sent once more at once
+                    self.set_reachable(True)
+                    continue
+            self.set_reachable(False, error)
+            await asyncio.sleep(delay)
+            delay = min(max_delay, delay * 2)
+
+    async def _run_batch(self, batch: list[Op], reloaded: bool = False,
+                         ) -> tuple[list[Op], ResponseError | None, bool]:
+        """One pipeline for `batch`, and each answer taken in. -> the ops to send again,
+        the error reply that passes which some of them got (None: none did), and
+        whether some got NOSCRIPT: the script cache emptied between the pipeline's
+        check and its run (a SCRIPT FLUSH, a failover); the next pipeline loads the
+        scripts first, so a NOSCRIPT is sent once more, unless the scripts were
+        `reloaded` already. An error reply that does not pass is logged and its op not
+        sent again (`refused`). Raises when Redis cannot be reached."""
         assert self._client is not None
         pipe = self._client.pipeline(transaction=False)
         for kind, backend, lease_id in batch:
@@ -279,8 +441,22 @@ class Upkeep:
             else:
                 await self._renew(keys=self._keys(backend), args=self._renew_args(backend),
                                   client=pipe)
-        results = await pipe.execute()
-        for (kind, backend, _), result in zip(batch, results, strict=True):
+        results = await self._execute(pipe, len(batch))
+        again: list[Op] = []
+        passing: ResponseError | None = None
+        noscript = False
+        for op, result in zip(batch, results, strict=True):
+            kind, backend, lease_id = op
+            if isinstance(result, ResponseError):
+                if isinstance(result, NoScriptError) and not reloaded:
+                    again.append(op)
+                    noscript = True
+                elif not refused(result):
+                    again.append(op)
+                    passing = result
+                else:
+                    self._refused(op, result)
+                continue
             if kind == "release":
                 self._resident[backend] = int(result[1])
                 continue
@@ -288,6 +464,38 @@ class Upkeep:
                 continue
             self._renew_pending.discard(backend)
             self._renewed(backend, result)
+        return again, passing, noscript
+
+    @staticmethod
+    async def _execute(pipe: Any, n: int) -> list[Any]:
+        """Each op's answer, an error reply among them as its exception. Where loading
+        the pipeline's scripts is refused (before any op ran), that is every op's."""
+        try:
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        except ResponseError as exc:
+            if not refused(exc):
+                raise
+            return [exc] * n
+        finally:
+            # redis-py resets a pipeline only once its scripts are loaded: one whose
+            # SCRIPT LOAD failed would keep its pooled connection for good
+            await pipe.reset()
+        return results
+
+    def _refused(self, op: Op, exc: ResponseError) -> None:
+        kind, backend, lease_id = op
+        if kind == "release":
+            self.say_refused("release", backend, lease_id, exc,
+                             "not retried: this replica counts the lease released; Redis "
+                             "keeps it until its TTL, when a refresh pass reclaims it")
+        elif kind == "ready":
+            self.say_refused("ready mark", backend, lease_id, exc,
+                             "not retried: its blocks stay unshared (later leases pay for "
+                             "them in full)")
+        else:
+            self._renew_pending.discard(backend)
+            self.say_refused("renewal of this replica's leases", backend, "", exc,
+                             "not retried now: the next refresh pass renews them again")
 
     def _renew_args(self, backend: str) -> list[Any]:
         args: list[Any] = [self._ttl_ms, self._channel, backend, secrets.token_hex(8),
@@ -330,48 +538,86 @@ class Upkeep:
     # ------------------------------------------------------------------ the refresh pass
     async def maintain(self) -> None:
         """Renew leases every ttl/3 (every pass while unreachable or rebuilding), else
-        reclaim expired ones, check the epoch and repair drift; refresh the resident view."""
+        reclaim expired ones, check the epoch and repair drift; refresh the resident view.
+
+        Only a cancel stops it: the refresh pass queues the renewals, and one that
+        stopped would let every live lease of this replica expire. A pass that raises
+        anything besides Redis' errors (a bug) is logged with its traceback, and the
+        next pass runs on schedule: passes are `refresh_interval_s` apart whether they
+        fail or not, so a failure that repeats does not spin.
+        """
         renew_every_s = self._ttl_ms / 3000
         since_renew = renew_every_s
-        was_available = self.available
+        self._was_available = self.available
         while True:
-            if since_renew >= renew_every_s or not self.available:
-                for backend in self._backends:
-                    self._queue_renewal(backend)
+            renew = since_renew >= renew_every_s or not self.available
+            if renew:
                 since_renew = 0.0
-            else:
-                try:
-                    await self._reclaim_expired()
-                except CONNECTION_ERRORS as exc:
-                    self.set_reachable(False, exc)
-            if self.reachable and (not self._policy_checked_at or time.monotonic()
-                                   - self._policy_checked_at >= renew_every_s):
-                with contextlib.suppress(*CONNECTION_ERRORS):
-                    problem = await self.check_eviction_policy()
-                    self._policy_checked_at = time.monotonic()
-                    if problem is not None:
-                        # Too late to refuse to start: say it loudly; a lost lease hash
-                        # is still caught by the epoch and rebuilt.
-                        self._say_policy("unsafe", logging.ERROR, "%s", problem)
-            available = self.available
-            if available and not was_available and self.reachable:
-                log.warning("shared ledger admits again")
-            was_available = available
-            # Waiters re-check after each pass: this covers a lost pub/sub message.
-            self._notify_all()
+            try:
+                await self._pass(renew, renew_every_s)
+            except Exception as exc:
+                self._repeats.log(("refresh", *_fault(exc)), logging.ERROR,
+                                  "shared ledger: a refresh pass failed; the next runs in "
+                                  "%.1f s", self._refresh_s, exc_info=exc)
             await asyncio.sleep(self._refresh_s)
             since_renew += self._refresh_s
 
+    async def _pass(self, renew: bool, renew_every_s: float) -> None:
+        if renew:
+            for backend in self._backends:
+                self._queue_renewal(backend)
+        else:
+            try:
+                await self._reclaim_expired()
+            except REDIS_ERRORS as exc:
+                if not unreachable(exc):
+                    raise
+                self.set_reachable(False, exc)
+        if self.reachable and (not self._policy_checked_at or time.monotonic()
+                               - self._policy_checked_at >= renew_every_s):
+            with contextlib.suppress(*REDIS_ERRORS):
+                problem = await self.check_eviction_policy()
+                self._policy_checked_at = time.monotonic()
+                if problem is not None:
+                    # Too late to refuse to start: say it loudly; a lost lease hash
+                    # is still caught by the epoch and rebuilt.
+                    self._say_policy("unsafe", logging.ERROR, "%s", problem)
+        available = self.available
+        if available and not self._was_available and self.reachable:
+            log.warning("shared ledger admits again")
+        self._was_available = available
+        # Waiters re-check after each pass: this covers a lost pub/sub message.
+        self._notify_all()
+
     async def _reclaim_expired(self) -> None:
         """One pipelined pass: reclaim expired leases, check each backend's epoch, repair
-        drift, refresh the resident view."""
+        drift, refresh the resident view. A backend whose script got NOSCRIPT is run
+        once more at once (the next pipeline loads the scripts first, as the worker's)."""
+        backends = await self._reclaim_on(self._backends, reloaded=False)
+        if backends:
+            await self._reclaim_on(backends, reloaded=True)
+
+    async def _reclaim_on(self, backends: list[str], *, reloaded: bool) -> list[str]:
+        """-> the backends to run again: those that got NOSCRIPT, unless `reloaded`."""
         assert self._client is not None
         pipe = self._client.pipeline(transaction=False)
-        for backend in self._backends:
+        for backend in backends:
             await self._reclaim(keys=self._keys(backend),
                                 args=[self._channel, backend, self._ttl_ms], client=pipe)
-        results = await pipe.execute()
-        for backend, result in zip(self._backends, results, strict=True):
+        results = await self._execute(pipe, len(backends))
+        passing: ResponseError | None = None
+        again: list[str] = []
+        for backend, result in zip(backends, results, strict=True):
+            if isinstance(result, ResponseError):
+                if isinstance(result, NoScriptError) and not reloaded:
+                    again.append(backend)
+                elif not refused(result):
+                    passing = result
+                else:
+                    self.say_refused("refresh pass", backend, "", result,
+                                     "its expired leases are not reclaimed, nor its "
+                                     "counters repaired, until a pass is answered")
+                continue
             self._resident[backend] = int(result[0])
             self.reclaimed_total += int(result[1])
             if result[2] is None or as_text(result[2]) != self._epoch.get(backend):
@@ -379,10 +625,17 @@ class Upkeep:
                 continue
             self._rebuilding_until[backend] = time.monotonic() + max(0, int(result[3])) / 1000
             self._drifted(backend, int(result[4]), int(result[5]))
+        if passing is not None:
+            raise passing  # the other backends' answers are taken in
+        return again
 
     # ------------------------------------------------------------------ the listener
     async def listen(self) -> None:
-        """Release notices from every replica: refresh the resident view and wake waiters."""
+        """Release notices from every replica: refresh the resident view and wake waiters.
+
+        Only `close()` stops it: anything it raises besides Redis' errors (a bug, a
+        notice it cannot read) is logged with its traceback and it subscribes again
+        after a refresh interval."""
         while not self._closing():
             try:
                 assert self._client is not None
@@ -396,15 +649,32 @@ class Upkeep:
                         if message is None:
                             continue
                         backend = message["data"].decode()
-                        value = await self._client.get(self._keys(backend)[0])
-                        self._resident[backend] = int(value or 0)
-                        for callback in self._listeners:
-                            callback(backend)
+                        try:
+                            value = await self._client.get(self._keys(backend)[0])
+                        except ResponseError as exc:
+                            if not refused(exc):
+                                raise
+                            self.say_refused("read of the resident counter", backend, "",
+                                             exc, "the waiters are woken all the same")
+                        else:
+                            self._resident[backend] = int(value or 0)
+                        self._notify(backend)
                 finally:
                     # Bounded: closing a pub/sub connection mid-read can otherwise hang
                     # a cancelled task (and with it, shutdown).
-                    with contextlib.suppress(*CONNECTION_ERRORS, TimeoutError):
+                    with contextlib.suppress(*REDIS_ERRORS, TimeoutError):
                         async with asyncio.timeout(1.0):
                             await pubsub.aclose()  # type: ignore[no-untyped-call]
-            except CONNECTION_ERRORS:
+            except REDIS_ERRORS as exc:
+                if not unreachable(exc):  # e.g. SUBSCRIBE denied by an ACL
+                    self._repeats.log(("listen", *_fault(exc)), logging.ERROR,
+                                      "shared ledger: Redis refused the release-notice "
+                                      "subscription: %s: %s; trying again in %.1f s",
+                                      type(exc).__name__, exc, self._refresh_s)
+                await asyncio.sleep(self._refresh_s)
+            except Exception as exc:
+                self._repeats.log(("listen", *_fault(exc)), logging.ERROR,
+                                  "shared ledger: the release-notice listener failed; it "
+                                  "subscribes again in %.1f s", self._refresh_s,
+                                  exc_info=exc)
                 await asyncio.sleep(self._refresh_s)

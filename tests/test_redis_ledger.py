@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from policies.ordering import Fifo
 from proxy.admission import AdmissionController, Backend, Demand
@@ -394,5 +397,215 @@ def test_redis_release_is_queued_and_drain_waits_until_redis_applied_it(
             assert await led.resident_now("gpu-a") > 0  # queued, not applied yet
             await led.drain()
             assert await led.resident_now("gpu-a") == 0
+
+    asyncio.run(scenario())
+
+
+def error_records(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    """The ledger's log records whose exception (logged with its traceback) says `text`."""
+    return [r for r in caplog.records if r.name == "kvgate.ledger" and r.exc_info
+            and text in str(r.exc_info[1])]
+
+
+def test_redis_a_listener_that_raises_stops_no_background_loop(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A listener that raises (a bug in what wakes the waiters) killed whichever loop
+    called it: the refresh pass on its first pass, the pub/sub listener on the first
+    release notice, the worker once Redis was back after an outage; releases then never
+    reached Redis and `drain()` hung. Each loop logs it, with its traceback, and goes on;
+    a listener that raises on every call is logged once, not on every pass."""
+    caplog.set_level(logging.WARNING, logger="kvgate.ledger")
+
+    async def scenario() -> None:
+        calls: list[str] = []
+
+        def broken(backend: str) -> None:
+            calls.append(backend)
+            raise RuntimeError("a waiter's bug")
+
+        led = ledger(redis_server, ttl=3.0, refresh=0.1, window=0.2)
+        led.add_listener(broken)
+        await led.start()
+        admin = aioredis.Redis.from_url(redis_server.url)
+        try:
+            lease = lid()
+            assert await led.reserve("gpu-a", lease, 30, 100)
+            led.release(lease)  # a release notice for the pub/sub listener
+            await led.drain()
+            # the refresh pass: a lease nobody renews is reclaimed on its schedule
+            keys = led.keys("gpu-a")
+            await admin.eval(RESERVE_LUA, len(keys), *keys, lid(), 40, 100,  # type: ignore[misc]
+                             300, "t:released", "gpu-a", led._epoch["gpu-a"], 0, "")
+            async with asyncio.timeout(3):
+                while await led.resident_now("gpu-a") != 0:
+                    await asyncio.sleep(0.02)
+            # the worker: Redis is back after an outage, which listeners are told
+            await asyncio.to_thread(redis_server.stop)
+            with pytest.raises(LedgerUnavailable):
+                await led.reserve("gpu-a", lid(), 10, 100)
+            await asyncio.to_thread(redis_server.start)
+            async with asyncio.timeout(5):
+                while not led.available:
+                    await asyncio.sleep(0.02)
+            lease = lid()
+            assert await led.reserve("gpu-a", lease, 30, 100)
+            led.release(lease)
+            async with asyncio.timeout(5):
+                await led.drain()
+            assert await led.resident_now("gpu-a") == 0
+            assert not any(task.done() for task in led._tasks)
+            assert len(calls) > 10
+            assert len(error_records(caplog, "a waiter's bug")) == 1
+        finally:
+            await admin.aclose()
+            await led.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_an_unexpected_error_stops_neither_the_worker_nor_the_refresh_pass(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Anything else either loop may raise (a reply misread, a bug): the worker logs it,
+    drops that batch (the same bug would fail it again, so no retry loop) and runs the
+    next, so later releases still reach Redis; the refresh pass logs it and runs its next
+    pass on schedule, one per interval, not in a spin."""
+    caplog.set_level(logging.WARNING, logger="kvgate.ledger")
+
+    async def scenario() -> None:
+        async with started(redis_server, refresh=0.1) as led:
+            upkeep = led._upkeep
+            doomed, kept = lid(), lid()
+            assert await led.reserve("gpu-a", doomed, 30, 100)
+            assert await led.reserve("gpu-a", kept, 40, 100)
+            real_batch = upkeep._run_batch
+            passes = 0
+
+            async def failing_batch(batch: Any, *args: Any) -> Any:
+                if any(lease == doomed for _, _, lease in batch):
+                    raise RuntimeError("a batch's bug")
+                return await real_batch(batch, *args)
+
+            async def failing_pass() -> None:
+                nonlocal passes
+                passes += 1
+                raise RuntimeError("a pass's bug")
+
+            upkeep._run_batch = failing_batch  # type: ignore[method-assign]
+            upkeep._reclaim_expired = failing_pass  # type: ignore[method-assign]
+            led.release(doomed)
+            async with asyncio.timeout(5):
+                await led.drain()
+            led.release(kept)
+            async with asyncio.timeout(5):
+                await led.drain()
+            # the failed batch is dropped: Redis holds its lease until the TTL
+            assert await led.resident_now("gpu-a") == 30
+            await asyncio.sleep(1.0)
+            assert 5 <= passes <= 15
+            assert not any(task.done() for task in led._tasks)
+            assert len(error_records(caplog, "a batch's bug")) == 1
+            assert len(error_records(caplog, "a pass's bug")) == 1
+
+    asyncio.run(scenario())
+
+
+def ledger_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "kvgate.ledger" and r.levelno >= logging.ERROR]
+
+
+def test_redis_an_error_reply_for_one_release_holds_up_no_other(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A key of gpu-a holds the wrong type (another program wrote it), so every script
+    on gpu-a gets a WRONGTYPE error reply. That is no outage: the worker retried the
+    whole batch forever as "UNREACHABLE", gpu-b's release beside it never ran and
+    `drain()` hung. The refused release is logged (what, which lease, which backend,
+    the reply) and not retried, the replica counts it released, gpu-b goes on, and a
+    reserve on gpu-a gets a 503 that says Redis refused it. Once the key is repaired,
+    the refresh pass reconciles: the lease Redis kept gets one TTL, then is reclaimed."""
+    caplog.set_level(logging.WARNING, logger="kvgate.ledger")
+
+    async def scenario() -> None:
+        async with started(redis_server, ttl=1.5, refresh=0.1) as led:
+            admin = aioredis.Redis.from_url(redis_server.url)
+            try:
+                a1, b1 = lid(), lid()
+                assert await led.reserve("gpu-a", a1, 30, 100)
+                assert await led.reserve("gpu-b", b1, 40, 100)
+                expiry = led.keys("gpu-a")[2]
+                await admin.delete(expiry)
+                await admin.set(expiry, "not a zset")
+                led.release(a1)
+                led.release(b1)
+                async with asyncio.timeout(5):
+                    await led.drain()
+                assert await led.resident_now("gpu-b") == 0
+                assert await led.resident_now("gpu-a") == 30  # refused: Redis keeps it
+                assert led.resident("gpu-a") == 0 and led.lease_count("gpu-a") == 0
+                refused = [m for m in ledger_errors(caplog) if a1 in m]
+                assert refused, ledger_errors(caplog)
+                assert "release" in refused[0] and "gpu-a" in refused[0]
+                assert "WRONGTYPE" in refused[0]
+                assert led.available
+                assert await led.reserve("gpu-b", lid(), 50, 100)
+                with pytest.raises(LedgerUnavailable, match="refused the reserve"):
+                    await led.reserve("gpu-a", lid(), 10, 100)
+                assert not any("UNREACHABLE" in r.getMessage() for r in caplog.records)
+                await admin.delete(expiry)  # repaired
+                async with asyncio.timeout(5):
+                    while await led.resident_now("gpu-a") != 0:
+                        await asyncio.sleep(0.05)
+                assert led.available
+            finally:
+                await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_redis_a_script_lost_between_its_check_and_its_run_is_loaded_and_run_again(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pipeline checks its scripts are loaded, then runs them; a script cache emptied in
+    between (a SCRIPT FLUSH, a failover) answers NOSCRIPT for each op. The next pipeline
+    fixes that by loading the scripts first, so the worker's release and the refresh
+    pass's reclaim are each sent once more at once: no outage, no error logged. (The
+    flush cannot be timed between the two with a real server, so the check is skipped
+    once for the release's pipeline and once for a refresh pass's.)"""
+    caplog.set_level(logging.WARNING, logger="kvgate.ledger")
+    real_load = Pipeline.load_scripts
+    skipped: set[str] = set()
+
+    async def scenario() -> None:
+        async with started(redis_server, refresh=0.1) as led:
+            lease = lid()
+            assert await led.reserve("gpu-a", lease, 30, 100)
+            reclaim_sha = led._upkeep._reclaim.sha
+
+            async def load_scripts_late(self: Pipeline) -> None:
+                sent = {str(arg) for args, _ in self.command_stack for arg in args}
+                which = "release" if lease in sent else "reclaim" if reclaim_sha in sent \
+                    else ""
+                if which and which not in skipped:
+                    skipped.add(which)  # as if the cache went after the check
+                    return
+                await real_load(self)
+
+            admin = aioredis.Redis.from_url(redis_server.url)
+            await admin.script_flush()
+            await admin.aclose()
+            monkeypatch.setattr(Pipeline, "load_scripts", load_scripts_late)
+            led.release(lease)
+            async with asyncio.timeout(5):
+                await led.drain()
+                while skipped != {"release", "reclaim"}:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)  # a few passes more
+            assert await led.resident_now("gpu-a") == 0
+            assert led.available
+            assert not any("UNREACHABLE" in r.getMessage() for r in caplog.records)
+            assert ledger_errors(caplog) == []
 
     asyncio.run(scenario())

@@ -26,6 +26,14 @@ import redis.asyncio as aioredis
 
 from proxy.errors import LedgerUnavailable
 from proxy.redis_ledger import RedisLedger, UnsafeRedisConfig
+from proxy.redis_scripts import (
+    READY_LUA,
+    RECLAIM_LUA,
+    RELEASE_LUA,
+    RENEW_LUA,
+    RESERVE_LUA,
+    RESIZE_LUA,
+)
 from tests.support.procs import Proc, start_proxy
 from tests.support.redis_server import RedisServer
 
@@ -454,3 +462,63 @@ def test_kvgate_serve_exits_with_the_reason_on_an_evicting_redis(
     log = (tmp_path / "p.log").read_text()
     assert "kvgate serve: error: Redis runs maxmemory-policy allkeys-lfu" in log, log
     assert "noeviction" in log
+
+
+def test_scripts_lost_that_may_not_be_reloaded_refuse_each_operation_and_hold_up_none(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis lost its script cache (a SCRIPT FLUSH, a failover to a fresh server) and the
+    ACL forbids SCRIPT LOAD, so every script answers NOSCRIPT and reloading it is refused:
+    an error reply, not an outage. The worker retried the batch forever as "UNREACHABLE"
+    and `drain()` hung; now the release is logged as refused (lease, backend, why) and
+    dropped, the replica counts it released, a reserve gets a 503 saying Redis refused
+    it. With the scripts back, admission works and the kept lease goes at its TTL."""
+    caplog.set_level(logging.WARNING, logger="kvgate.ledger")
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "&*", "+@all",
+                          "-script|load")
+    scripts = (RESERVE_LUA, RESIZE_LUA, RELEASE_LUA, RENEW_LUA, RECLAIM_LUA, READY_LUA)
+
+    def load_scripts() -> None:
+        for script in scripts:
+            admin.script_load(script)
+
+    load_scripts()
+    url = f"redis://kv:pw@127.0.0.1:{redis_server.port}/0"
+
+    async def scenario() -> None:
+        async with replicas(url, 1, ttl=1.0, refresh=0.1) as (led,):
+            lease = lid()
+            assert await led.reserve(BACKEND, lease, 300, CAPACITY)
+            await asyncio.to_thread(admin.script_flush)
+            led.release(lease)
+            async with asyncio.timeout(5):
+                await led.drain()
+            assert led.lease_count(BACKEND) == 0 and led.resident(BACKEND) == 0
+            assert int(admin.get(led.keys(BACKEND)[0]) or 0) == 300  # refused: kept
+            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            refused = [m for m in errors if lease in m]
+            assert refused, errors
+            assert "release" in refused[0] and BACKEND in refused[0]
+            assert "script|load" in refused[0]
+            # a pipeline whose SCRIPT LOAD failed must not keep its pooled connection:
+            # after a second of refused renewals and refresh passes, the ledger still
+            # holds its pub/sub connection and a pooled one or two, not one per refusal
+            await asyncio.sleep(1.0)
+            assert len([c for c in admin.client_list() if c["user"] == "kv"]) <= 4
+            with pytest.raises(LedgerUnavailable, match="refused the reserve"):
+                await led.reserve(BACKEND, lid(), 10, CAPACITY)
+            assert not any("UNREACHABLE" in r.getMessage() for r in caplog.records)
+            await asyncio.to_thread(load_scripts)
+            assert await led.reserve(BACKEND, lid(), 10, CAPACITY)
+            async with asyncio.timeout(5):  # the refused one, unrenewed, goes at its TTL
+                while int(admin.get(led.keys(BACKEND)[0]) or 0) != 10:
+                    await asyncio.sleep(0.05)
+            a = aioredis.Redis.from_url(redis_server.url)
+            await assert_all_back_to_zero(a, [led])
+            await a.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        admin.close()

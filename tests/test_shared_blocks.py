@@ -28,6 +28,7 @@ from proxy.prefix_view import PrefixView
 from proxy.recent_blocks import RecentBlocks
 from proxy.redis_ledger import RedisLedger
 from tests.support.redis_server import RedisServer
+from tests.support.tcp_tap import reply_dropping_relay
 
 BT = 16  # tokens per block
 
@@ -431,3 +432,67 @@ def test_recent_blocks_say_which_keys_came_in_or_were_evicted() -> None:
     assert recent.remember(["a"]) == []  # only its order moved: `leading` answers alike
     assert recent.remember(["c", "d"]) == ["c", "d", "b"]  # b, the least recent, left
     assert recent.leading(["a", "c", "d", "b"]) == 3
+
+
+def test_redis_reserve_retried_after_a_lost_reply_records_the_blocks_redis_recorded(
+    redis_server: RedisServer,
+) -> None:
+    """The reserve's first reply is lost and redis-py's one retry gets "already recorded"
+    back. The lease brought 6 blocks, 4 of them registered by another lease but not
+    ready (paid in full, not referenced), so Redis recorded it with 68 own tokens and 2
+    referenced blocks. The replica must record the same 2, or a same-size resize writes
+    an own size of 4 and Redis' resident drops from 200 to 136 while both still run."""
+    blocks = [key(9, i) for i in range(6)]
+
+    async def scenario() -> None:
+        async with reply_dropping_relay(redis_server.port) as relay:
+            # a 30 s refresh pass: nothing else runs through the relay while it drops
+            led = RedisLedger(f"redis://127.0.0.1:{relay.port}/0", backends=["a"],
+                              key_prefix="s", lease_ttl_s=60.0, refresh_interval_s=30.0,
+                              socket_timeout_s=0.5, recovery_window_s=0)
+            await led.start()
+            admin = aioredis.Redis.from_url(redis_server.url)
+            keys = led.keys("a")
+            try:
+                first, retried = "first-1", "retried-1"
+                assert await led.reserve("a", first, 100, 1000, blocks[:4], BT)  # not ready
+                await admin.config_set("notify-keyspace-events", "Kh")
+                events = admin.pubsub()
+                await events.subscribe(f"__keyspace@0__:{keys[1]}")
+                async with asyncio.timeout(5):
+                    while (await events.get_message(timeout=0.1) or {}).get("type") \
+                            != "subscribe":
+                        pass
+                relay.drop_replies = True
+                reserving = asyncio.create_task(
+                    led.reserve("a", retried, 100, 1000, blocks, BT))
+                async with asyncio.timeout(5):  # the first run recorded it
+                    while (await events.get_message(ignore_subscribe_messages=True,
+                                                    timeout=0.1) or {}).get("data") != b"hset":
+                        pass
+                await asyncio.sleep(0.05)  # its reply is swallowed; the retry's comes
+                relay.drop_replies = False
+                await events.aclose()  # type: ignore[no-untyped-call]
+                assert await reserving is True
+                assert await admin.hget(keys[1], retried) == b"68"
+                assert await led.resident_now("a") == 200
+                assert led.shared_tokens(retried) == 0  # not recorded: unknown on a retry
+                assert await led.resize(retried, 100, 1000) == 100
+                assert await led.resident_now("a") == 200  # the same size stays the same
+                assert led.shared_resident("a") == BT * 6
+                led.release(first)  # the 4 blocks were the first lease's alone
+                await led.drain()
+                assert await led.resident_now("a") == 100
+                assert led.shared_resident("a") == BT * 2
+                assert led.ready_blocks("a", blocks[4:]) == 0
+                led.release(retried)
+                await led.drain()
+                assert await led.resident_now("a") == 0
+                assert await admin.hlen(keys[3]) == 0
+                assert led.shared_resident("a") == 0
+            finally:
+                relay.drop_replies = False
+                await admin.aclose()
+                await led.close()
+
+    asyncio.run(scenario())
