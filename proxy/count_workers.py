@@ -49,12 +49,14 @@ from typing import Any, cast
 from proxy.prefix_blocks import KEY_CHARS
 from proxy.tokenize import CountFailed, TemplateError, TokenCounter
 from proxy.tokenize.cache import CacheStats
+from proxy.tokenize.chunked import CountExceeded
 from proxy.tokenize.guard import is_panic
 
 __all__ = ["CountWorkers", "WorkerGone"]
 
 _HEADER = struct.Struct("!II")
 _KEYS_JOB = struct.Struct("!II")  # block tokens, scope length (`_keys_job`)
+_LIMIT_JOB = struct.Struct("!I")  # the most prompt tokens to count (`_limit_job`)
 _ENDPOINT_BYTE = {"chat": b"c", "completions": b"p"}
 _READY_ID = 0
 _STATS_FIELDS = ("hits", "misses", "size_bytes", "entries")  # the order workers send
@@ -277,22 +279,26 @@ class CountWorkers:
         turn = next(self._turn)
         return min(alive, key=lambda w: (len(w.pending), (w.index - turn) % len(alive)))
 
-    async def count(self, endpoint: str, body: bytes) -> list[int] | None:
+    async def count(self, endpoint: str, body: bytes,
+                    limit: int | None = None) -> list[int] | None:
         """The prompt counts of a validated request body; None when no worker is left
         (the caller counts in its own process). Raises `TemplateError` as the counter
-        would, and `RuntimeError` for a worker's unexpected failure."""
-        answer = await self._ask(endpoint, body, b"")
+        would, `CountExceeded` where a prompt passed `limit` (counting stopped there),
+        and `RuntimeError` for a worker's unexpected failure."""
+        answer = await self._ask(endpoint, body, _limit_job(limit))
         if answer is None:
             return None
         counts: list[int] = answer["ok"]
         return counts
 
     async def count_keys(self, endpoint: str, body: bytes, block_tokens: int,
-                         scope: str) -> tuple[int, tuple[str, ...]] | None:
+                         scope: str, limit: int | None = None,
+                         ) -> tuple[int, tuple[str, ...]] | None:
         """The exact count and shared-prefix block keys of a validated body with one
         prompt (`TokenCounter.count_chat_keys`, `count_prompt_keys`), for blocks of
         `block_tokens` in `scope`; None when no worker is left. Raises as `count`."""
-        answer = await self._ask(endpoint, body, _keys_job(block_tokens, scope))
+        answer = await self._ask(endpoint, body,
+                                 _limit_job(limit) + _keys_job(block_tokens, scope))
         if answer is None:
             return None
         (count,) = answer["ok"]
@@ -319,6 +325,8 @@ class CountWorkers:
             raise TemplateError(answer["template"])
         if "count_failed" in answer:
             raise CountFailed(answer["count_failed"])
+        if "exceeded" in answer:
+            raise CountExceeded(answer["exceeded"], answer["limit"])
         raise RuntimeError(f"count worker {worker.index} failed: {answer['fail']}")
 
     def cache_stats(self, model: str) -> CacheStats | None:
@@ -364,6 +372,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(chunks)
 
 
+def _limit_job(limit: int | None) -> bytes:
+    """A job that may stop past `limit` tokens: `l`, then `!I`; first, before any other."""
+    return b"" if limit is None else b"l" + _LIMIT_JOB.pack(limit)
+
+
 def _keys_job(block_tokens: int, scope: str) -> bytes:
     """A job that wants block keys too: `k`, then `!II` (block tokens, scope bytes), the
     scope in UTF-8, then the endpoint byte and the body as for a count."""
@@ -375,6 +388,10 @@ def _answer(counters: Mapping[str, Any], payload: bytes,
             llama_cpp: Collection[str] = ()) -> dict[str, Any]:
     from proxy.validation import Endpoint, validate
 
+    limit: int | None = None
+    if payload[:1] == b"l":
+        (limit,) = _LIMIT_JOB.unpack_from(payload, 1)
+        payload = payload[1 + _LIMIT_JOB.size:]
     keyed: tuple[int, str] | None = None
     if payload[:1] == b"k":
         block_tokens, size = _KEYS_JOB.unpack_from(payload, 1)
@@ -392,15 +409,18 @@ def _answer(counters: Mapping[str, Any], payload: bytes,
             chat = chat.as_llama_cpp_reads()
         if keyed is not None and isinstance(counter, TokenCounter) and req.n == 1 and (
                 chat is not None or len(req.prompts) == 1):
-            count, key_list = (counter.count_chat_keys(chat, *keyed) if chat is not None
-                               else counter.count_prompt_keys(req.prompts[0], *keyed))
+            count, key_list = (
+                counter.count_chat_keys(chat, *keyed, limit) if chat is not None
+                else counter.count_prompt_keys(req.prompts[0], *keyed, limit))
             counts, keys = [count], "".join(key_list)
         elif chat is not None:
-            counts = [counter.count_chat(chat)]
+            counts = [counter.count_chat(chat, limit)]
         else:
-            counts = [counter.count_prompt(p) for p in req.prompts]
+            counts = [counter.count_prompt(p, limit) for p in req.prompts]
     except TemplateError as exc:
         return {"template": str(exc)}
+    except CountExceeded as exc:
+        return {"exceeded": exc.at_least, "limit": exc.limit}
     except CountFailed as exc:
         return {"count_failed": str(exc)}
     except Exception as exc:  # reported to the proxy, which answers 500 and logs it

@@ -353,14 +353,14 @@ class Gate:
         return self.counter
 
     async def _count(self, req: ValidRequest, raw: bytes, limit: int) -> list[int]:
-        """Exact counts: in a count worker where they run, else in this process (where
-        counting stops once a prompt passes `limit`: `CountExceeded`)."""
+        """Exact counts: in a count worker where they run, else in this process; either
+        way counting stops once a prompt passes `limit` (`CountExceeded`)."""
         counter, workers = self._counter, self.count_workers
         try:
             counts: list[int] | None = None
             if workers is not None and (req.chat is not None
                                         or any(isinstance(p, str) for p in req.prompts)):
-                counts = await workers.count(req.endpoint, raw)
+                counts = await workers.count(req.endpoint, raw, limit)
             if counts is None:
                 if req.chat is not None:
                     counts = [await counter.count_chat_async(req.chat, limit)]

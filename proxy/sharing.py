@@ -36,7 +36,7 @@ async def counted_with_blocks(counter: PromptCounter, req: ValidRequest, block_t
     share (several prompts or sequences, a counter without ids: Mistral's).
 
     Raises as counting does: `TemplateError`, `CountFailed` (a tokenizer panic too),
-    `CountExceeded` once the count passes `limit` in this process."""
+    `CountExceeded` once the count passes `limit`."""
     if req.n != 1 or (req.chat is None and len(req.prompts) != 1):
         return None
     if not isinstance(counter, TokenCounter):
@@ -46,7 +46,7 @@ async def counted_with_blocks(counter: PromptCounter, req: ValidRequest, block_t
         # the body as parsed (the gate holds no raw bytes here); a worker validates it
         # again, to the same request
         body = json.dumps(req.body, ensure_ascii=False, separators=(",", ":")).encode()
-        counted = await workers.count_keys(req.endpoint, body, block_tokens, scope)
+        counted = await workers.count_keys(req.endpoint, body, block_tokens, scope, limit)
         if counted is not None:
             return counted
     if req.chat is not None:

@@ -160,6 +160,24 @@ def big_chat(chars: int, seed: int = 1) -> ChatRequest:
     return ChatRequest(messages=[{"role": "user", "content": text}], source_bytes=chars)
 
 
+def test_counting_in_this_thread_stops_once_past_the_limit_too(
+        chunks_encoded: list[int]) -> None:
+    """The count workers' path (`count_chat(chat, limit)`): the same plan, run inline."""
+    c = load_counter(MODELS / MODEL)
+    assert isinstance(c, TokenCounter)
+    chat = big_chat(4_000_000)
+    with pytest.raises(CountExceeded) as stopped:
+        c.count_chat(chat, 40_959)
+    assert stopped.value.at_least > 40_959 and len(chunks_encoded) <= 4
+    with pytest.raises(CountExceeded):
+        c.count_prompt_keys(chat.messages[0]["content"], 16, "s", 40_959)
+    small = big_chat(300_000)
+    assert c.count_chat(small, 10**6) == c.count_chat(small)
+    text = small.messages[0]["content"]
+    assert c.count_prompt_keys(text, 16, "s", 10**6) == c.count_prompt_keys(text, 16, "s")
+    assert c.count_chat_keys(small, 16, "s", 10**6) == c.count_chat_keys(small, 16, "s")
+
+
 @synchronously
 async def test_counting_stops_once_past_the_limit(chunks_encoded: list[int]) -> None:
     c = load_counter(MODELS / MODEL)
@@ -219,14 +237,17 @@ async def test_long_counts_take_turns_with_a_shorter_one() -> None:
     await asyncio.gather(*longs)
 
 
+@pytest.mark.parametrize("workers", [0, 1])
 @synchronously
-async def test_over_http_a_long_prompt_is_refused_before_it_is_counted_whole() -> None:
-    """kvgate serving: 600 kB of unique words (past 8,192 tokens after one chunk) is a
-    400 context_length_exceeded saying where counting stopped; nothing reaches the
-    backend and no lease is left."""
+async def test_over_http_a_long_prompt_is_refused_before_it_is_counted_whole(
+        workers: int) -> None:
+    """kvgate serving, counting in its own process or in a count worker: 600 kB of
+    unique words (past 8,192 tokens after one chunk) is a 400 context_length_exceeded
+    saying where counting stopped; nothing reaches the backend and no lease is left."""
     text = unique_words(random.Random(5), 600_000)
     exact = counter(MODEL).count_prompt(text)
-    async with running_stack(backends=1, kv_tokens=65536) as stack, \
+    async with running_stack(backends=1, kv_tokens=65536,
+                             server={"count_workers": workers}) as stack, \
             aiohttp.ClientSession() as s:
         for path, body in (("/v1/chat/completions",
                             {"messages": [{"role": "user", "content": text}]}),

@@ -32,7 +32,7 @@ from proxy.tokenize.cache import DEFAULT_CACHE_BYTES, CacheStats, CountCache, Se
 from proxy.tokenize.encoders import run_cutter, tiktoken_failure
 from proxy.tokenize.fair_pool import FairPool
 from proxy.tokenize.guard import LONG_RUN, CountFailed, RunCutter, is_panic, whitespace_runs
-from proxy.tokenize.long_text import LongText
+from proxy.tokenize.long_text import LongText, run_inline
 from proxy.tokenize.templates import (
     ChatTemplate,
     ContentFormat,
@@ -78,10 +78,10 @@ _REQUEST_VARIABLES = frozenset({"messages", "tools", "documents", "add_generatio
 class _OffLoop:
     """Counting is CPU-bound: the async variants run it in the shared thread pool."""
 
-    def count_chat(self, chat: ChatRequest) -> int:
+    def count_chat(self, chat: ChatRequest, limit: int | None = None) -> int:
         raise NotImplementedError
 
-    def count_prompt(self, prompt: str | Sequence[int]) -> int:
+    def count_prompt(self, prompt: str | Sequence[int], limit: int | None = None) -> int:
         raise NotImplementedError
 
     async def count_chat_async(self, chat: ChatRequest, limit: int | None = None) -> int:
@@ -220,8 +220,13 @@ class TokenCounter(_OffLoop):
         """A completion prompt's ids, with the tokenizer's BOS rule (`count_prompt`'s)."""
         return self._encoder.encode_plain(prompt, add_special_tokens=True)
 
-    def count_chat(self, chat: ChatRequest) -> int:
-        return self._segments.count(self.render_chat(chat))
+    def count_chat(self, chat: ChatRequest, limit: int | None = None) -> int:
+        """In this thread (a count worker's, or a pool thread's): with a `limit`, long
+        text as `count_chat_async` counts it, stopping once past the limit."""
+        text = self.render_chat(chat)
+        if limit is not None and len(text) > INLINE_RENDERED_CHARS:
+            return run_inline(self._long.count_rendered(text, limit))
+        return self._segments.count(text)
 
     async def count_chat_async(self, chat: ChatRequest, limit: int | None = None) -> int:
         """Short work inline, long work in the pool (see `INLINE_RENDERED_CHARS`)."""
@@ -249,7 +254,7 @@ class TokenCounter(_OffLoop):
 
     async def _count_rendered(self, rendered: str, limit: int | None = None) -> int:
         if len(rendered) > INLINE_RENDERED_CHARS:
-            return await self._long.count_rendered(rendered, limit)
+            return await self._long.run(self._long.count_rendered(rendered, limit))
         known, todo = self._segments.plan(rendered)
         if sum(map(len, todo)) <= self._inline_chars:
             return known + self._segments.finish(todo)
@@ -260,12 +265,16 @@ class TokenCounter(_OffLoop):
         if not isinstance(prompt, str) or len(prompt) <= self._inline_chars:
             return self.count_prompt(prompt)
         if len(prompt) > INLINE_RENDERED_CHARS:
-            return await self._long.count_plain(prompt, limit, self.count_prompt)
+            return await self._long.run(self._long.count_plain(prompt, limit,
+                                                               self.count_prompt))
         return await super().count_prompt_async(prompt)
 
-    def count_prompt(self, prompt: str | Sequence[int]) -> int:
-        """One completion prompt: text gets the tokenizer's BOS rule, ids count as given."""
+    def count_prompt(self, prompt: str | Sequence[int], limit: int | None = None) -> int:
+        """One completion prompt: text gets the tokenizer's BOS rule, ids count as given;
+        with a `limit`, long text stops once past it (as `count_chat`)."""
         if isinstance(prompt, str):
+            if limit is not None and len(prompt) > INLINE_RENDERED_CHARS:
+                return run_inline(self._long.count_plain(prompt, limit, self.count_prompt))
             return len(self._plain_ids(prompt))
         return len(prompt)
 
@@ -283,11 +292,18 @@ class TokenCounter(_OffLoop):
     # from one id stream: a chat's from its segments' cached ids (`SegmentCounter.ids`),
     # a prompt's from `encode_plain`. Failures are those of `count_chat`/`count_prompt`.
 
-    def count_chat_keys(self, chat: ChatRequest, block_tokens: int, scope: str) -> Keyed:
-        return self._segments.keys(self.render_chat(chat), block_tokens, scope)
+    def count_chat_keys(self, chat: ChatRequest, block_tokens: int, scope: str,
+                        limit: int | None = None) -> Keyed:
+        text = self.render_chat(chat)
+        if limit is not None and len(text) > INLINE_RENDERED_CHARS:
+            return run_inline(self._long.keys_rendered(text, block_tokens, scope, limit))
+        return self._segments.keys(text, block_tokens, scope)
 
     def count_prompt_keys(self, prompt: str | Sequence[int], block_tokens: int,
-                          scope: str) -> Keyed:
+                          scope: str, limit: int | None = None) -> Keyed:
+        if isinstance(prompt, str) and limit is not None and len(prompt) > INLINE_RENDERED_CHARS:
+            return run_inline(self._long.keys_plain(prompt, block_tokens, scope, limit,
+                                                    self._plain_ids))
         ids = self._plain_ids(prompt) if isinstance(prompt, str) else prompt
         try:
             data = array("I", ids).tobytes()
@@ -302,7 +318,8 @@ class TokenCounter(_OffLoop):
         rendered = await self._rendered(chat)
         segments = self._segments
         if len(rendered) > INLINE_RENDERED_CHARS:
-            return await self._long.keys_rendered(rendered, block_tokens, scope, limit)
+            return await self._long.run(self._long.keys_rendered(rendered, block_tokens,
+                                                                 scope, limit))
         parts, size = segments.plan_ids(rendered)
         new_chars = sum(len(p) for p in parts if isinstance(p, str))
         if new_chars <= self._inline_chars and size <= INLINE_KEYED_TOKENS:
@@ -316,8 +333,8 @@ class TokenCounter(_OffLoop):
                            else INLINE_KEYED_TOKENS):
             return self.count_prompt_keys(prompt, block_tokens, scope)
         if isinstance(prompt, str) and len(prompt) > INLINE_RENDERED_CHARS:
-            return await self._long.keys_plain(prompt, block_tokens, scope, limit,
-                                               self._plain_ids)
+            return await self._long.run(self._long.keys_plain(prompt, block_tokens, scope,
+                                                              limit, self._plain_ids))
         return await count_pool().run(self.count_prompt_keys, prompt,
                                           block_tokens, scope)
 
@@ -361,7 +378,7 @@ class MistralTokenCounter(_OffLoop):
     def _failed(self, exc: BaseException) -> CountFailed:
         return CountFailed(f"model {self.name!r}: mistral-common's tokenizer failed: {exc}")
 
-    def count_chat(self, chat: ChatRequest) -> int:
+    def count_chat(self, chat: ChatRequest, limit: int | None = None) -> int:
         from mistral_common.exceptions import MistralCommonException
         from mistral_common.protocol.instruct.messages import AssistantMessage
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
@@ -401,7 +418,7 @@ class MistralTokenCounter(_OffLoop):
                                    limit: int | None = None) -> int:
         raise TypeError("MistralTokenCounter renders nothing apart: use count_chat_async")
 
-    def count_prompt(self, prompt: str | Sequence[int]) -> int:
+    def count_prompt(self, prompt: str | Sequence[int], limit: int | None = None) -> int:
         if isinstance(prompt, str):
             try:
                 ids: list[int] = self._tok.instruct_tokenizer.tokenizer.encode(
