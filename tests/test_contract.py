@@ -549,7 +549,7 @@ def test_a_count_that_fails_is_a_500_that_names_the_request_and_holds_nothing(
     keeps the bound, a true upper bound, as its reservation and is served."""
     from proxy.tokenize import CountFailed, TokenCounter
 
-    async def failing(self: TokenCounter, rendered: Any) -> int:
+    async def failing(self: TokenCounter, rendered: Any, *args: Any) -> int:
         raise CountFailed("the tokenizer's core gave up on this text")
 
     async def failing_keys(self: TokenCounter, chat: Any, *args: Any) -> Any:
