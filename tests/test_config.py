@@ -70,13 +70,19 @@ def test_capacity_estimated_from_config_and_memory() -> None:
         ({"backends": [{"url": "http://x", "api_key": ""}]},
          "`models[0].backends[0].api_key` must be a non-empty string. Given: ''"),
         ({"placement": "random"}, "`models[0].placement` must be one of"),
-        ({"path": "/nonexistent"}, "`models[0].path` '/nonexistent' is not a directory"),
     ],
 )
 def test_invalid_model_config_names_the_key(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(base(**change), base=ROOT)
     assert message in str(info.value)
+
+
+def test_a_model_path_that_is_no_directory_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"  # made absent here, whatever the machine holds
+    with pytest.raises(ConfigError) as info:
+        parse_config(base(path=str(missing)), base=ROOT)
+    assert f"`models[0].path` '{missing}' is not a directory" in str(info.value)
 
 
 @pytest.mark.parametrize(
