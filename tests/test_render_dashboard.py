@@ -180,7 +180,8 @@ def exported_pages(t: float, step: int) -> list[Scrape]:
         for backend in ("sim-0", "sim-1"):
             metrics.backend_state(backend, resident=100 * i, capacity=1000, inflight=i)
             metrics.backend_view(backend, resident=100 * i, inflight=i, target=900,
-                                 engine_estimate=80 * i, shortfall=0)
+                                 engine_estimate=80 * i, shortfall=0, shared_resident=30 * i)
+            metrics.shared_prefix(backend, 50 * i)
             metrics.engine_reported(backend, usage_ratio=0.05 * i, preemptions=0)
         metrics.admitted("m", reserved_tokens=100, waited_s=0.01 * i)
         metrics.rejected("m", "queue_timeout")
