@@ -134,6 +134,9 @@ class Scenario:
     # a trace with hash ids (Mooncake's) shares prefixes in both.
     prefix_caching: bool = True
     prefix_sharing: PrefixSharing = PrefixSharing.AUTO
+    # A refused client waits the `retry-after-ms` kvgate sent (what the OpenAI SDKs read
+    # first) and sends again, up to this many times; its TTFT counts from the first try.
+    retries: int = 0
 
     def model_config(self) -> ModelConfig:
         """The model as `kvgate serve` would be configured for this deployment."""
@@ -193,7 +196,16 @@ class SimReport:
     shared_prefix_tokens: int = 0
     engine_prefix_hit_tokens: int = 0
     engine_prefix_query_tokens: int = 0
+    # retries (`Scenario.retries`): sent after a refusal's Retry-After, and of those the
+    # ones admitted on that try (not refused again); `rejected` counts each request once,
+    # by its last answer
+    retries: int = 0
+    retries_admitted: int = 0
     timeline: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def retry_success_ratio(self) -> float | None:
+        return self.retries_admitted / self.retries if self.retries else None
 
     @property
     def rejected_total(self) -> int:
@@ -207,6 +219,8 @@ class SimReport:
         out = asdict(self)
         out["rejected_total"] = self.rejected_total
         out["rejected_ratio"] = round(self.rejected_ratio, 6)
+        ratio = self.retry_success_ratio
+        out["retry_success_ratio"] = None if ratio is None else round(ratio, 6)
         if not timeline:
             out.pop("timeline")
         return out
@@ -309,8 +323,9 @@ class _Replay:
         self.resident_per_request: list[int] = []
         self.completed = 0
         self.good = 0
+        self.retries = self.retries_admitted = 0
         self.timeline: list[dict[str, float]] = []
-        self.records: list[Record] = []  # one per request, in arrival order
+        self.records: list[Record] = []  # one per try, in the order sent
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- bookkeeping
@@ -340,22 +355,32 @@ class _Replay:
 
     # ---------------------------------------------------------------- one request
     async def request(self, spec: TraceRequest) -> None:
-        """The trace's request through the gate, as a client's chat through kvgate."""
+        """The trace's request through the gate, as a client's chat through kvgate;
+        refused, it may try again after the Retry-After it was given."""
         s = self.s
         arrival = self.loop.time()
         requested = self.client.max_tokens(spec.output_tokens)
-        ask = Ask(request=_chat(requested), raw=b"", prompt_tokens=(spec.prompt_tokens,),
-                  blocks=self._ledger_keys(spec),
-                  deadline=arrival + min(s.queue.default_deadline_s, s.queue.max_deadline_s))
-        record = Record(request_id=f"replay-{next(self._ids)}")
-        self.records.append(record)
-        send = functools.partial(self._run_in_engine, spec, requested)
-        try:
-            run = await self.gate.handle(ask, record, send)
-        except KvgateError as exc:
-            self.rejected[exc.code] = self.rejected.get(exc.code, 0) + 1
-            self.rejection_waits.append(self.loop.time() - arrival)
-            return
+        for attempt in range(s.retries + 1):
+            tried = self.loop.time()
+            ask = Ask(request=_chat(requested), raw=b"", prompt_tokens=(spec.prompt_tokens,),
+                      blocks=self._ledger_keys(spec),
+                      deadline=tried + min(s.queue.default_deadline_s, s.queue.max_deadline_s))
+            record = Record(request_id=f"replay-{next(self._ids)}")
+            self.records.append(record)
+            send = functools.partial(self._run_in_engine, spec, requested)
+            try:
+                run = await self.gate.handle(ask, record, send)
+            except KvgateError as exc:
+                self.rejection_waits.append(self.loop.time() - tried)
+                wait_ms = exc.headers().get("retry-after-ms")
+                if attempt < s.retries and wait_ms is not None:
+                    self.retries += 1
+                    await asyncio.sleep(int(wait_ms) / 1000)
+                    continue
+                self.rejected[exc.code] = self.rejected.get(exc.code, 0) + 1
+                return
+            self.retries_admitted += int(attempt > 0)
+            break
         if run.status != 200:
             self.rejected[ENGINE_REFUSED] = self.rejected.get(ENGINE_REFUSED, 0) + 1
             return
@@ -480,6 +505,7 @@ class _Replay:
             ttft_slo_s=s.ttft_slo_s, goodput=self.good,
             goodput_ratio=round(self.good / n, 6) if n else 0.0,
             shared_prefix_tokens=self.shared_tokens,
+            retries=self.retries, retries_admitted=self.retries_admitted,
             engine_prefix_hit_tokens=sum(e.prefix_cache_hits for e in self.engines.values()),
             engine_prefix_query_tokens=sum(e.prefix_cache_queries
                                            for e in self.engines.values()),

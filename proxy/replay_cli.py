@@ -47,7 +47,8 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
                         max_num_seqs=args.max_num_seqs)
     common: dict[str, Any] = {"speed": speed, "client": args.client,
                               "ttft_slo_s": args.ttft_slo, "sample_interval_s": args.sample_s,
-                              "prefix_caching": not args.no_prefix_caching}
+                              "prefix_caching": not args.no_prefix_caching,
+                              "retries": args.retries}
     if args.config:
         config = load_config(args.config)
         models = {m.name: m for m in config.models}
@@ -117,6 +118,8 @@ def render(report: SimReport, speed: Any) -> str:
         f"rejections: {r.rejected_total} ({r.rejected_ratio:.2%}): {rej}",
         f"  answered after: p50 {_fmt(r.rejection_latency_s['p50'])}, "
         f"p99 {_fmt(r.rejection_latency_s['p99'])} from arrival",
+        *([f"  retries after Retry-After: {r.retries}, admitted on that try "
+           f"{r.retries_admitted} ({r.retries_admitted / r.retries:.0%})"] if r.retries else []),
         f"preemptions: {r.preemptions}",
         f"goodput (completed with TTFT <= {r.ttft_slo_s:g} s): {r.goodput} of {r.requests} "
         f"({r.goodput_ratio:.2%})",
@@ -289,6 +292,9 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--client", default="recorded", help="max_tokens clients send: recorded, "
                    "cap-N, or none (the engine fills max_model_len - prompt)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: TTFT at most this (s)")
+    p.add_argument("--retries", type=int, default=0,
+                   help="a refused client waits the Retry-After it got and sends again, up "
+                        "to this many times (the report gives how many got in on that try)")
     p.add_argument("--sample-s", type=float, default=1.0, help="timeline resolution (s)")
     p.add_argument("--sweep", help="backends=1..8, kv_tokens=A,B,..., speed=1,2,4, tp=1,2,4 "
                    "or memory=40GiB,80GiB (the last two with kvgate plan's flags)")

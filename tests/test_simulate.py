@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,25 @@ def test_overload_rejects_and_more_backends_cure_it() -> None:
                                        reservation=ReservationMode.STRICT))
     assert many.rejected_total < one.rejected_total
     assert many.goodput > one.goodput
+
+
+def test_refused_clients_retry_after_the_wait_they_were_given() -> None:
+    """A burst a backend cannot hold: refused clients come back after their
+    `retry-after-ms`, up to three times; some get in on such a try (once the first
+    leases end), and each request is still counted once, by its last answer."""
+    queue = QueueConfig(max_depth=8, default_deadline_s=1.0)
+    requests = _burst(60)
+    scenario = Scenario(capacity_tokens=4096, backends=1, queue=queue,
+                        reservation=ReservationMode.STRICT)
+    once = simulate(requests, scenario)
+    again = simulate(requests, replace(scenario, retries=3))
+    assert once.retries == 0 and once.retry_success_ratio is None
+    assert again.retries >= once.rejected_total  # every refused request tried again
+    assert 0 < again.retries_admitted < again.retries
+    assert again.completed + again.rejected_total == 60
+    assert again.completed > once.completed
+    assert again.as_dict()["retry_success_ratio"] == round(
+        again.retries_admitted / again.retries, 6)
 
 
 def test_contract_rejections() -> None:
