@@ -1,7 +1,8 @@
 """Queue ordering: who is offered capacity first. Pure: `now` is always an argument.
 
 Each policy turns a waiter into a sort key at `now`; the queue re-sorts on each
-dispatch, so keys never drift inside a heap (vLLM's WeightedScoreSorter bug).
+dispatch, so keys never drift inside a heap (vLLM's WeightedScoreSorter bug). A waiter
+holding a place (a refused request back with its ticket) comes first within its class.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class WaiterView:
     demand_tokens: int
     priority: str  # class name, "" when none
     tenant: str  # fair-share key, "" when none
+    # it brought a ticket (`proxy.tickets`): refused before, it came back when told to,
+    # and goes ahead of every waiter of its class that holds none
+    held_place: bool = False
 
 
 class Ordering(Protocol):
@@ -72,10 +76,10 @@ class OrderingName(StrEnum):
 
 
 class Fifo:
-    """Arrival order."""
+    """Arrival order (those holding a place first)."""
 
     def key(self, waiter: WaiterView, now: float) -> tuple[float, ...]:
-        return (waiter.seq,)
+        return (not waiter.held_place, waiter.seq)
 
     def on_admit(self, waiter: WaiterView, now: float) -> None:
         return None
@@ -94,7 +98,8 @@ class ShortestFirst:
 
     def key(self, waiter: WaiterView, now: float) -> tuple[float, ...]:
         waited = max(0.0, now - waiter.arrival)
-        return (waiter.demand_tokens - self.aging_tokens_per_s * waited, waiter.seq)
+        return (not waiter.held_place,
+                waiter.demand_tokens - self.aging_tokens_per_s * waited, waiter.seq)
 
     def on_admit(self, waiter: WaiterView, now: float) -> None:
         return None
@@ -156,7 +161,8 @@ class PriorityFairShare:
         return self._decayed(entry, now) if entry is not None else self._least(now)
 
     def key(self, waiter: WaiterView, now: float) -> tuple[float, ...]:
-        return (self._rank(waiter.priority), self.usage(waiter.tenant, now), waiter.seq)
+        return (self._rank(waiter.priority), not waiter.held_place,
+                self.usage(waiter.tenant, now), waiter.seq)
 
     def on_admit(self, waiter: WaiterView, now: float) -> None:
         share = waiter.demand_tokens / self._weight(waiter.tenant)

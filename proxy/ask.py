@@ -43,6 +43,7 @@ class Ask:
     tenant: str = ""
     prompt_tokens: tuple[int, ...] | None = None  # counted already (a replay): no counting
     blocks: tuple[str, ...] = ()  # with prompt_tokens: its shared-prefix block keys
+    ticket: str | None = None  # a 429's ticket sent back (`proxy.tickets`)
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class Record:
     shared_tokens: int | None = None  # of reserved_tokens, covered by shared prefix blocks
     queue_wait_ms: float = 0.0
     output_cap: int | None = None
+    held_place: bool = False  # it brought a good ticket: ordered ahead (`proxy.tickets`)
     outcome: str | None = None
     started: float = field(default_factory=time.perf_counter)
 

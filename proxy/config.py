@@ -64,6 +64,9 @@ class ServerConfig:
     body_budget_bytes: int = 256 * 2**20
     body_budget_per_model_bytes: int | None = None
     admin_token: str | None = None
+    # Signs the tickets a 429 carries (`proxy.tickets`); the same on every replica lets a
+    # ticket from one be honoured by another. None: each process draws its own.
+    ticket_secret: str | None = None
     health_interval_s: float = 2.0
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
@@ -156,7 +159,8 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
     check_keys(data, {"listen", "body_limit", "admin_token", "health_interval_s",
                        "upstream_connect_timeout_s", "upstream_read_timeout_s",
                        "count_workers", "admit_on_bound", "clients_file",
-                       "body_read_timeout_s", "body_budget", "body_budget_per_model"}, w)
+                       "body_read_timeout_s", "body_budget", "body_budget_per_model",
+                       "ticket_secret"}, w)
     d = ServerConfig()
     listen = get_str(data, "listen", w, f"{d.host}:{d.port}")
     host, sep, port_text = listen.rpartition(":")
@@ -169,6 +173,10 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
             f"`server.admin_token` must be a non-empty string (leave it out for no "
             f"token). Given: {token!r}"
         )
+    secret = data.get("ticket_secret")
+    if secret is not None and not (isinstance(secret, str) and len(secret) >= 16):
+        raise ConfigError("`server.ticket_secret` must be a string of at least 16 characters "
+                          "(leave it out for one drawn per process)")
     body_limit = get_bytes(data, "body_limit", w) if "body_limit" in data else d.body_limit_bytes
     budget, per_model = _body_budget(data, w, d, body_limit)
     return ServerConfig(
@@ -178,6 +186,7 @@ def _server(data: Mapping[str, Any]) -> ServerConfig:
         body_budget_bytes=budget,
         body_budget_per_model_bytes=per_model,
         admin_token=token,
+        ticket_secret=secret,
         **{k: get_num(data, k, w, getattr(d, k), minimum=least) for k, least in (
             ("health_interval_s", 0.05), ("upstream_connect_timeout_s", 0.1),
             ("upstream_read_timeout_s", 0.1), ("body_read_timeout_s", 0.01))},

@@ -32,6 +32,8 @@ import math
 from collections.abc import Iterable
 from typing import ClassVar
 
+from proxy.tickets import TICKET_HEADER
+
 __all__ = [
     "ERROR_TABLE",
     "ContextLengthExceeded",
@@ -69,6 +71,7 @@ class KvgateError(Exception):
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+        self.ticket: str | None = None  # a 429's place in line (`proxy.tickets`)
 
     @property
     def reason(self) -> str:
@@ -93,10 +96,13 @@ class KvgateError(Exception):
         if not self.retryable:
             return {"x-should-retry": "false"}
         wait_s = max(0.001, self.retry_after_s if self.retry_after_s is not None else 1.0)
-        return {
+        headers = {
             "Retry-After": str(max(1, math.ceil(wait_s))),
             "retry-after-ms": str(max(1, math.ceil(wait_s * 1000))),
         }
+        if self.ticket is not None:
+            headers[TICKET_HEADER] = self.ticket
+        return headers
 
     def sse_event(self) -> bytes:
         """The same body as an SSE `error` event, for failures after streaming began."""

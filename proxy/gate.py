@@ -56,6 +56,7 @@ from proxy.reservation import (
     follow_adaptively,
 )
 from proxy.sharing import counted_with_blocks, scope_of
+from proxy.tickets import Tickets
 from proxy.tokenize import CountFailed, PromptCounter, RenderedChat, TemplateError
 from proxy.tokenize.chunked import CountExceeded
 from proxy.tokenize.fair_pool import counting_for
@@ -82,7 +83,7 @@ class Gate:
     def __init__(
         self, config: ModelConfig, *, queue: QueueConfig, ledger: Ledger, metrics: Metrics,
         counter: PromptCounter | None, admit_on_bound: bool = False,
-        on_lease: Callable[[str, Lease], None] | None = None,
+        on_lease: Callable[[str, Lease], None] | None = None, tickets: Tickets | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -93,6 +94,7 @@ class Gate:
         self._kinds = tuple(b.kind for b in config.backends)
         self._as_llama_cpp = counts_as_llama_cpp(self._kinds)
         self.count_workers: CountWorkers | None = None  # set by the runtime once started
+        self.tickets = tickets if tickets is not None else Tickets()
         self._on_lease = on_lease
         # Per layer kind, per request, and again on every resize: memoised, since a
         # model's layout never changes and lengths repeat.
@@ -146,6 +148,9 @@ class Gate:
             return sent
         except KvgateError as exc:  # a rejection before the lease, or the upstream's failure
             outcome = exc.reason
+            if exc.status == 429 and exc.retryable:  # a place in line for its retry
+                exc.ticket = self.tickets.issue(self.name, ask.tenant, exc.retry_after_s or 1.0)
+                self.metrics.ticket_issued(self.name)
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = Outcome.CLIENT_DISCONNECT
@@ -224,6 +229,10 @@ class Gate:
         demand, output_cap = self.demand(req, prompts, priority=ask.priority, tenant=ask.tenant)
         if blocks and demand.n == 1 and len(prompts) == 1:
             demand = replace(demand, blocks=blocks, block_tokens=self.config.block_size)
+        if ask.ticket is not None and self.tickets.redeem(ask.ticket, self.name, ask.tenant):
+            demand = replace(demand, held_place=True)
+            record.held_place = True
+            self.metrics.ticket_redeemed(self.name)
         record.reserved_tokens = demand.tokens
         loop = asyncio.get_running_loop()
         queued_at = loop.time()

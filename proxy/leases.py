@@ -28,6 +28,7 @@ class Demand:
     # `tokens`, `block_tokens` each; charged once per backend that shares prefixes
     blocks: tuple[str, ...] = ()
     block_tokens: int = 0
+    held_place: bool = False  # it brought a good ticket (`proxy.tickets`)
 
 
 class Backend:

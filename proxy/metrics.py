@@ -111,6 +111,12 @@ class Metrics:
         self._engine_hits = Gauge("kvgate_engine_prefix_hit_tokens_reported",
                                   "Prefix-cache hit tokens the engine reports since it started "
                                   "(vllm:prefix_cache_hits_total)", ["backend"], registry=r)
+        # Tickets (`proxy.tickets`): given with retryable 429s, and brought back in time.
+        self._tickets_issued = Counter("kvgate_tickets_issued", "429s that carried a ticket",
+                                       ["model"], registry=r)
+        self._tickets_redeemed = Counter(
+            "kvgate_tickets_redeemed", "Requests that brought a good ticket back and were "
+            "ordered ahead of those holding none", ["model"], registry=r)
         # A labelled child per label values, looked up once: `labels()` takes a lock and
         # validates its arguments on every call, and these run several times a request.
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -160,6 +166,12 @@ class Metrics:
         self._child(self._target, backend).set(target)
         self._child(self._engine_estimate, backend).set(engine_estimate)
         self._child(self._shortfall, backend).set(shortfall)
+
+    def ticket_issued(self, model: str) -> None:
+        self._child(self._tickets_issued, model).inc()
+
+    def ticket_redeemed(self, model: str) -> None:
+        self._child(self._tickets_redeemed, model).inc()
 
     def shared_prefix(self, backend: str, tokens: int) -> None:
         self._child(self._shared_covered, backend).inc(tokens)

@@ -56,6 +56,7 @@ from proxy.prefix_blocks import shareable_blocks
 from proxy.reservation import Progress
 from proxy.sim.engine import EngineConfig, OutputLength, SimEngine
 from proxy.sim.kv_cache import block_hashes_from_hash_ids
+from proxy.tickets import Tickets
 from proxy.traces import HASH_ID_TOKENS, TraceRequest, load_trace
 from proxy.validation import Endpoint, ValidRequest
 from proxy.virtual_time import VirtualClockLoop
@@ -137,6 +138,7 @@ class Scenario:
     # A refused client waits the `retry-after-ms` kvgate sent (what the OpenAI SDKs read
     # first) and sends again, up to this many times; its TTFT counts from the first try.
     retries: int = 0
+    tickets: bool = True  # a retry brings back the ticket its 429 carried
 
     def model_config(self) -> ModelConfig:
         """The model as `kvgate serve` would be configured for this deployment."""
@@ -279,6 +281,13 @@ class _EngineRun:
     generated: int = 0
 
 
+class _NoTickets(Tickets):
+    """Tickets that hold no place: the replay of clients that retry without them."""
+
+    def redeem(self, ticket: str, model: str, tenant: str) -> bool:
+        return False
+
+
 def _chat(max_tokens: int | None) -> ValidRequest:
     """A streamed chat as the replay's clients send it; its prompt comes counted."""
     return ValidRequest(endpoint=Endpoint.CHAT, model="simulated", stream=True, n=1,
@@ -297,7 +306,8 @@ class _Replay:
             raise ValueError(f"capacity of {s.capacity_tokens} tokens holds no KV block")
         self.ledger = MemoryLedger()
         self.gate = Gate(s.model_config(), queue=s.queue, ledger=self.ledger, metrics=Metrics(),
-                         counter=None, on_lease=self._on_lease)
+                         counter=None, on_lease=self._on_lease,
+                         tickets=Tickets(now=loop.time) if s.tickets else _NoTickets())
         self.controller = self.gate.controller
         self.backends = self.gate.backends
         self.engines = {
@@ -360,10 +370,11 @@ class _Replay:
         s = self.s
         arrival = self.loop.time()
         requested = self.client.max_tokens(spec.output_tokens)
+        ticket: str | None = None
         for attempt in range(s.retries + 1):
             tried = self.loop.time()
             ask = Ask(request=_chat(requested), raw=b"", prompt_tokens=(spec.prompt_tokens,),
-                      blocks=self._ledger_keys(spec),
+                      blocks=self._ledger_keys(spec), ticket=ticket,
                       deadline=tried + min(s.queue.default_deadline_s, s.queue.max_deadline_s))
             record = Record(request_id=f"replay-{next(self._ids)}")
             self.records.append(record)
@@ -375,6 +386,7 @@ class _Replay:
                 wait_ms = exc.headers().get("retry-after-ms")
                 if attempt < s.retries and wait_ms is not None:
                     self.retries += 1
+                    ticket = exc.ticket
                     await asyncio.sleep(int(wait_ms) / 1000)
                     continue
                 self.rejected[exc.code] = self.rejected.get(exc.code, 0) + 1

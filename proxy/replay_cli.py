@@ -48,7 +48,7 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     common: dict[str, Any] = {"speed": speed, "client": args.client,
                               "ttft_slo_s": args.ttft_slo, "sample_interval_s": args.sample_s,
                               "prefix_caching": not args.no_prefix_caching,
-                              "retries": args.retries}
+                              "retries": args.retries, "tickets": not args.no_tickets}
     if args.config:
         config = load_config(args.config)
         models = {m.name: m for m in config.models}
@@ -295,6 +295,8 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--retries", type=int, default=0,
                    help="a refused client waits the Retry-After it got and sends again, up "
                         "to this many times (the report gives how many got in on that try)")
+    p.add_argument("--no-tickets", action="store_true",
+                   help="retrying clients do not send back the ticket their 429 carried")
     p.add_argument("--sample-s", type=float, default=1.0, help="timeline resolution (s)")
     p.add_argument("--sweep", help="backends=1..8, kv_tokens=A,B,..., speed=1,2,4, tp=1,2,4 "
                    "or memory=40GiB,80GiB (the last two with kvgate plan's flags)")

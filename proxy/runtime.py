@@ -18,6 +18,7 @@ from proxy.errors import ModelNotFound
 from proxy.gate import Gate
 from proxy.ledger import Ledger, MemoryLedger
 from proxy.metrics import Metrics
+from proxy.tickets import Tickets
 from proxy.tokenize import load_counter
 from proxy.tokenize.cache import CacheStats
 
@@ -57,8 +58,11 @@ class Runtime:
             [m.name for m in config.models])
         self.metrics.watch_body_budget(self.bodies)
         self.gates: dict[str, Gate] = {}
+        secret = config.server.ticket_secret
+        tickets = Tickets(secret.encode() if secret else None)  # one per process: single use
         for mc in config.models:
             gate = Gate(mc, queue=config.queue, ledger=self.ledger, metrics=self.metrics,
+                        tickets=tickets,
                         counter=load_counter(mc.path, name=mc.name, unicode_normalizer=not (
                             counts_as_llama_cpp(b.kind for b in mc.backends))),
                         admit_on_bound=config.server.admit_on_bound)

@@ -35,6 +35,7 @@ from proxy.ledger import Ledger
 from proxy.metrics import Outcome
 from proxy.protocol import ContractRunner
 from proxy.runtime import Runtime
+from proxy.tickets import TICKET_HEADER
 from proxy.upstream import EngineReader, health_loop
 from proxy.validation import Endpoint, validate
 
@@ -212,7 +213,8 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             hold.assign(gate.name)
             who = _identity(request, runtime)
             ask = Ask(request=req, raw=raw, deadline=_deadline(request, runtime),
-                      priority=who.priority, tenant=who.tenant)
+                      priority=who.priority, tenant=who.tenant,
+                      ticket=request.headers.get(TICKET_HEADER))
         except KvgateError as exc:
             record.end(exc.code)  # refused before any model's gate saw it
             raise

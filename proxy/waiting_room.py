@@ -75,7 +75,8 @@ class WaitingRoom:
         """`demand`'s place in the order, arriving now: behind every earlier arrival
         among its equals (admissions without queueing take a number too)."""
         return WaiterView(seq=next(self._seq), arrival=arrival, demand_tokens=demand.tokens,
-                          priority=demand.priority, tenant=demand.tenant)
+                          priority=demand.priority, tenant=demand.tenant,
+                          held_place=demand.held_place)
 
     @property
     def full(self) -> bool:
@@ -108,7 +109,8 @@ class WaitingRoom:
         equals), in that order."""
         key = self._ordering.key
         mine = key(WaiterView(seq=1 << 62, arrival=arrival, demand_tokens=demand.tokens,
-                              priority=demand.priority, tenant=demand.tenant), arrival)
+                              priority=demand.priority, tenant=demand.tenant,
+                              held_place=demand.held_place), arrival)
         return sorted((w for w in self._waiters
                        if not w.fut.done() and key(w.view, arrival) < mine),
                       key=lambda w: key(w.view, arrival))
