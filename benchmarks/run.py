@@ -531,7 +531,8 @@ def _failure_evidence(run: Run) -> str:
         if completed(r) or not is_engine_failure(code):
             continue
         said = r.last_line.decode(errors="replace").strip()[:160] or f"status {r.status}"
-        seen[f"{code} (`{said}`)"] += 1
+        finish = f", finish_reason {r.finish}" if r.finish else ""
+        seen[f"{code} (`{said}`{finish})"] += 1
     return "; ".join(f"{n} x {what}" for what, n in seen.most_common(3)) + (
         f"; {sum(seen.values()) - sum(n for _, n in seen.most_common(3))} more"
         if len(seen) > 3 else "")
@@ -762,7 +763,9 @@ def llama_header(llama: LlamaParams, measured: Probe, sim: SimParams, version: s
         "(the simulator's runs send `sim_output_tokens`, which only the simulator reads); "
         "a llama-server chunk can hold more than one token, so an answer may run a few "
         "tokens past its recorded length before the client hangs up; (2) bodies to "
-        "llama-server carry `\"cache_prompt\": false` and the model name `tiny-qwen3`; "
+        "llama-server carry `\"cache_prompt\": false`, `\"temperature\": 0` (greedy: the "
+        "random model then never picks its end-of-generation token; sampled, it does now "
+        "and then) and the model name `tiny-qwen3`; "
         "(3) llama.cpp preempts nothing: when a server's pool overflows its running "
         "requests fail (an error status, an error event mid-stream, or an answer that "
         "ends short of its length: all counted as engine failures), where the simulator "

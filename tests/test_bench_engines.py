@@ -146,7 +146,7 @@ def test_client_ends_each_answer_and_no_body_carries_its_length() -> None:
     assert held == [0, 0]  # handed the results before the first request
     assert len(seen) == 12
     assert all("sim_output_tokens" not in b and b["cache_prompt"] is False
-               and b["model"] == LLAMA_MODEL for b in seen)
+               and b["temperature"] == 0 and b["model"] == LLAMA_MODEL for b in seen)
     assert [b.get("max_tokens") for b in seen] == [2048] * 6 + [None] * 6
     for run in runs:
         for r in run.results:

@@ -11,8 +11,9 @@ no shared prefix cache).
 The model never samples EOS (its added tokens' embeddings are zero), so the clients end
 each answer themselves at its recorded length (`hang_up_at_output` in loadgen): no
 request ever carries that length, to kvgate or to the engine. Bodies carry
-`cache_prompt: false`: the suite's prompts are one word repeated, which a slot's prompt
-cache would reuse as real traffic never does.
+`cache_prompt: false` (the suite's prompts are one word repeated, which a slot's prompt
+cache would reuse as real traffic never does) and `temperature: 0` (the model then never
+ends an answer by itself).
 
 What llama-server reports (`--metrics`): requests processing and deferred, tokens
 predicted; no KV use. KV use here is the clients' view: prompt + tokens streamed so far
@@ -62,8 +63,11 @@ class LlamaParams:
         return self.ctx_size  # unified: one slot may hold the whole pool
 
 
-# The fields every body sends to llama-server: its served name, no prompt cache reuse.
-LLAMA_BODY = {"model": LLAMA_MODEL, "cache_prompt": False}
+# The fields every body sends to llama-server: its served name, no prompt cache reuse,
+# greedy decoding (sampled at llama-server's default temperature 0.8, the random model
+# does pick its end-of-generation token now and then; at 0 it never does).
+LLAMA_BODY: dict[str, Any] = {"model": LLAMA_MODEL, "cache_prompt": False,
+                              "temperature": 0}
 
 
 def kvgate_llama_config(params: LlamaParams, gate: GateSettings, *, port: int,
@@ -212,7 +216,7 @@ class Probe:
 async def _probe_stream(s: aiohttp.ClientSession, url: str, prompt_words: int,
                         output: int) -> tuple[float, float, int]:
     body = {**LLAMA_BODY, "messages": [{"role": "user", "content": " the" * prompt_words}],
-            "max_tokens": output, "stream": True, "temperature": 0}
+            "max_tokens": output, "stream": True}
     start = time.perf_counter()
     first = None
     chunks = 0
