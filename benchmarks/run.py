@@ -102,7 +102,7 @@ def rate_for(load: float, specs: list[RequestSpec], params: SimParams,
     use, not what they announce. Every prompt token counts, shared or not: for the
     shared-prefix scenarios this is the footprint of a prefix-blind pool.
     """
-    capacity = backends * params.kv_tokens
+    capacity: float = backends * params.kv_tokens
     per_request = statistics.mean(s.prompt_tokens + s.output_tokens for s in specs)
     running_per_backend = params.kv_tokens / per_request
     if params.max_num_seqs is not None:  # slots bound the concurrency before the pool
@@ -171,7 +171,7 @@ async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
     if target is Target.AFFINITY_TIMEOUT:
         route = AffinityRing(backends).backend
     real = llama is not None
-    backends_cm = (llama_cluster(llama, gate=gate, backends=backends) if real
+    backends_cm = (llama_cluster(llama, gate=gate, backends=backends) if llama is not None
                    else cluster(params, gate=gate, backends=backends))
     with backends_cm as c:
         run = await run_open_loop(
