@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import tomli_w
 
-from benchmarks.suite.loadgen import Sample
+from benchmarks.suite.loadgen import Result, Sample, client_held
 from proxy.stack import spawn_logged, stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +78,7 @@ class SimParams:
     # Off for the scenarios without shared prefixes: their synthetic prompt text
     # repeats one word, which a prefix cache would share as real traffic never does.
     prefix_caching: bool = False
+    max_num_seqs: int | None = None  # None: the simulator's default (256)
 
     def step_s(self, running: float) -> float:
         return (self.decode_step_ms + self.per_seq_ms * running) / 1000
@@ -188,10 +189,15 @@ class Cluster:
     proxy: str | None
     capacity: int
     samples: list[Sample] = field(default_factory=list)
+    results: list[Result] = field(default_factory=list)
 
     @property
     def targets(self) -> list[str]:
         return [self.proxy] if self.proxy else self.sims
+
+    def watch(self, results: list[Result]) -> None:
+        """The live results, for the clients' view of what the engines hold."""
+        self.results = results
 
     async def engine_totals(self) -> dict[str, float]:
         """The engines' counters at the end, summed: preemptions, prefix-cache hit and
@@ -236,7 +242,8 @@ class Cluster:
         self.samples.append(Sample(
             t=t, kv_use=kv_use, resident=round(kv_use * self.capacity), reserved=reserved,
             capacity=self.capacity, queued=queued, engine_waiting=waiting, running=running,
-            preemptions=preemptions, kv_per_backend=tuple(per_backend)))
+            preemptions=preemptions, kv_per_backend=tuple(per_backend),
+            client_held=client_held(self.results)))
 
     async def preemptions(self) -> int:
         async with aiohttp.ClientSession() as s:
@@ -276,7 +283,9 @@ def cluster(params: SimParams, *, gate: GateSettings | None = None,
                         "--per-seq-ms", str(params.per_seq_ms),
                         "--prefill-tokens-per-s", str(params.prefill_tokens_per_s),
                         "--max-model-len", str(params.max_model_len), "--seed", str(seed + i),
-                        *([] if params.prefix_caching else ["--no-prefix-caching"])],
+                        *([] if params.prefix_caching else ["--no-prefix-caching"]),
+                        *([] if params.max_num_seqs is None
+                          else ["--max-num-seqs", str(params.max_num_seqs)])],
                        Path(tmp) / f"sim{i}.log", port, f"sim {i}", procs)
                 sims.append(f"http://127.0.0.1:{port}")
             proxy_url = None

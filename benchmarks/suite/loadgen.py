@@ -6,6 +6,13 @@ bounds every run: requests still open then are cut and recorded as such.
 
 A client with `give_up_s` abandons a request that has no first token by then and
 closes its connection, so the engine frees whatever the request held.
+
+With `hang_up_at_output` (real engines serving random weights, which never sample EOS)
+the client closes a stream once it has read the request's recorded output length in
+content chunks: the model's end, played by the client, so that neither kvgate nor the
+engine is ever told the length. An engine error event mid-stream (llama-server's
+`error:` line, kvgate's `event: error`, a `data:` line holding an `error`) is recorded
+as `stream_error`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from benchmarks.suite.workloads import Behaviour, PromptBuilder, RequestSpec
 
 CUT = "cut_at_benchmark_end"
 ABANDONED = "abandoned"
+STREAM_ERROR = "stream_error"
+ENDED_EARLY = "ended_early"  # the stream ended before the length the client hangs up at
 SAMPLE_EVERY_S = 0.2
 
 
@@ -40,6 +49,9 @@ class Result:
     tokens_out: int = 0
     deadline_s: float | None = None
     backend: int = -1  # the target index it was sent to (a backend when direct)
+    hung_up: bool = False  # the client closed the stream at the recorded output length
+    finish: str | None = None  # the last finish_reason streamed, if any
+    last_line: bytes = b""  # the stream's last non-empty line (what an early end said)
 
     @property
     def ok(self) -> bool:
@@ -58,6 +70,10 @@ class Sample:
     running: int  # vllm:num_requests_running, summed
     preemptions: int  # vllm:num_preemptions_total, summed (cumulative)
     kv_per_backend: tuple[float, ...] = ()  # each engine's vllm:kv_cache_usage_perc
+    # prompt + tokens streamed so far, summed over the streams that have their first
+    # token and are still open: what the engines hold, seen from the clients (None: not
+    # tracked)
+    client_held: int | None = None
 
     @property
     def saturated(self) -> bool:
@@ -76,15 +92,22 @@ class Run:
     totals: dict[str, float] = field(default_factory=dict)
 
 
+def client_held(results: Sequence[Result]) -> int:
+    """Tokens the open streams hold (prompt + tokens so far), from the clients' side."""
+    return sum(r.spec.prompt_tokens + r.tokens_out for r in results
+               if r.ttft_s is not None and r.latency_s is None and r.code is None)
+
+
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                headers: dict[str, str], result: Result, t0: float,
-               give_up_s: float | None = None) -> None:
+               give_up_s: float | None = None, hang_up_at: int | None = None) -> None:
     start = time.perf_counter()
     result.sent_s = start - t0
     first_token = asyncio.timeout(give_up_s)  # disarmed when the first token arrives
     try:
         async with first_token:
-            await _exchange(session, url, body, headers, result, start, first_token)
+            await _exchange(session, url, body, headers, result, start, first_token,
+                            hang_up_at)
     except TimeoutError:
         if not first_token.expired():
             raise
@@ -95,7 +118,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
 
 async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                     headers: dict[str, str], result: Result, start: float,
-                    first_token: asyncio.Timeout) -> None:
+                    first_token: asyncio.Timeout, hang_up_at: int | None = None) -> None:
     async with session.post(f"{url}/v1/chat/completions", json=body,
                             headers=headers) as resp:
         result.status = resp.status
@@ -113,18 +136,31 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, An
             result.tokens_out = int(data["usage"]["completion_tokens"])
             return
         async for line in resp.content:
+            if line.strip():
+                result.last_line = line[:300]
+            if b'"finish_reason":"' in line:
+                result.finish = line.split(b'"finish_reason":"', 1)[1].split(b'"', 1)[0].decode()
             if not line.startswith(b"data: "):
-                if line.startswith(b"event: error"):
-                    result.code = "stream_error"
+                if line.startswith((b"event: error", b"error:")):
+                    result.code = STREAM_ERROR
+                continue
+            if line.startswith(b'data: {"error"'):
+                result.code = STREAM_ERROR
                 continue
             if b'"delta":{"content":"' in line:
                 if result.ttft_s is None:
                     result.ttft_s = time.perf_counter() - start
                     first_token.reschedule(None)
                 result.tokens_out += 1
+                if hang_up_at is not None and result.tokens_out >= hang_up_at:
+                    resp.close()  # the connection goes: the engine stops this request
+                    result.hung_up = True
+                    break
             elif b'"usage"' in line:
                 usage = json.loads(line[6:]).get("usage") or {}
                 result.tokens_out = int(usage.get("completion_tokens", result.tokens_out))
+        if hang_up_at is not None and not result.hung_up and result.code is None:
+            result.code = ENDED_EARLY  # the engine stopped the answer short of its length
         result.latency_s = time.perf_counter() - start
 
 
@@ -133,6 +169,9 @@ async def run_open_loop(
     hard_stop_s: float, behaviour: Behaviour, deadline_s: float | None = None,
     label: str = "", sampler: Callable[[float], Any] | None = None,
     give_up_s: float | None = None, route: Callable[[dict[str, Any]], int] | None = None,
+    hang_up_at_output: bool = False, watch: Callable[[list[Result]], Any] | None = None,
+    body_extra: dict[str, Any] | None = None, sim_fields: bool = True,
+    fresh_connections: bool = False,
 ) -> Run:
     """Send each spec at its arrival time, round-robin over `targets`, or to
     `targets[route(body)]` when `route` is given.
@@ -142,12 +181,22 @@ async def run_open_loop(
 
     `deadline_s` is kvgate's queue deadline (recorded to check its answers); `give_up_s`
     makes the client itself abandon a request without a first token by then.
+
+    `hang_up_at_output`: the client closes each stream at its recorded output length
+    (see the module's note); `sim_fields` False leaves `sim_output_tokens` out of the
+    bodies; `body_extra` is merged into every body; `watch` is handed the live results
+    before the first request (for sampling what the open streams hold).
+    `fresh_connections`: one connection per request (llama-server closes the connection
+    after every streamed answer, so a pooled one may be stale when reused).
     """
     results = [Result(spec=s, deadline_s=deadline_s) for s in specs]
-    bodies = [builder.body(s, behaviour=behaviour) for s in specs]
+    bodies = [builder.body(s, behaviour=behaviour, sim_fields=sim_fields) | (body_extra or {})
+              for s in specs]
+    if watch is not None:
+        watch(results)
     picks = ([route(b) for b in bodies] if route is not None
              else [i % len(targets) for i in range(len(specs))])
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=hard_stop_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()
@@ -160,7 +209,8 @@ async def run_open_loop(
             results[i].backend = picks[i]
             try:
                 await _one(session, targets[picks[i]], bodies[i], headers,
-                           results[i], t0, give_up_s)
+                           results[i], t0, give_up_s,
+                           spec.output_tokens if hang_up_at_output else None)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 results[i].code = f"client_error:{type(exc).__name__}"
             finally:

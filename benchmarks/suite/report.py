@@ -333,3 +333,53 @@ def acceptance(key: str, summaries: list[PrefixSummary]) -> str:
                        "while a backend was below 30%"))
     lines = [f"- {'MET' if ok else 'NOT MET'}: {what}: {figures}" for what, ok, figures in checks]
     return f"Acceptance ({key}, `kvgate adaptive` = prefix-aware):\n\n" + "\n".join(lines)
+
+
+# Codes a request ends with when the engine (or the path to it) failed it: an engine's
+# own error status (llama-server's codes are numbers), an error event mid-stream, an
+# answer cut short of its length, kvgate's 502, a broken connection.
+ENGINE_FAILURES = ("stream_error", "ended_early", "upstream_error", "internal_error")
+GIVEN_UP = ("abandoned", "cut_at_benchmark_end")
+
+
+def is_engine_failure(code: str) -> bool:
+    return (code in ENGINE_FAILURES or code.isdigit() or code.startswith("client_error")
+            or code.startswith("http_5"))
+
+
+def outcome_split(rejections: dict[str, int]) -> tuple[int, int, int]:
+    """(engine failures, kvgate refusals, abandoned or cut) from a summary's reasons."""
+    failures = sum(n for c, n in rejections.items() if is_engine_failure(c))
+    given_up = sum(n for c, n in rejections.items() if c in GIVEN_UP)
+    return failures, sum(rejections.values()) - failures - given_up, given_up
+
+
+def held_mean(run: Run) -> float | None:
+    """Mean share of the pool the open streams hold, from the clients' side."""
+    held = [s.client_held / s.capacity for s in run.samples if s.client_held is not None]
+    return statistics.mean(held) if held else None
+
+
+def engine_comparison(pairs: list[tuple[Summary, Run, Summary | None, Run | None]]) -> str:
+    """Per target: llama.cpp next to the simulator fitted to it, on the same requests."""
+    lines = ["| target | completed / offered (llama.cpp vs sim) | goodput/s (llama.cpp vs sim) "
+             "| goodput ratio llama.cpp / sim | engine failures (llama.cpp vs sim) | kvgate "
+             "refusals (llama.cpp vs sim) | abandoned or cut (llama.cpp vs sim) | KV held, "
+             "clients' view, mean (llama.cpp vs sim) | sim engine-reported KV use mean |",
+             "|" + "---|" * 9]
+    for real, real_run, sim, sim_run in pairs:
+        rf, rr, rg = outcome_split(real.rejections)
+        if sim is None or sim_run is None:
+            lines.append(f"| {real.label} | {real.completed}/{real.offered} vs - | "
+                         f"{real.goodput_per_s:.2f} vs - | - | {rf} vs - | {rr} vs - | "
+                         f"{rg} vs - | {_share(held_mean(real_run))} vs - | - |")
+            continue
+        sf, sr, sg = outcome_split(sim.rejections)
+        ratio = (f"{real.goodput_per_s / sim.goodput_per_s:.2f}x" if sim.goodput_per_s
+                 else "-")
+        lines.append(
+            f"| {real.label} | {real.completed}/{real.offered} vs {sim.completed}/"
+            f"{sim.offered} | {real.goodput_per_s:.2f} vs {sim.goodput_per_s:.2f} | {ratio} | "
+            f"{rf} vs {sf} | {rr} vs {sr} | {rg} vs {sg} | {_share(held_mean(real_run))} vs "
+            f"{_share(held_mean(sim_run))} | {_share(sim.kv_use_mean)} |")
+    return "\n".join(lines)

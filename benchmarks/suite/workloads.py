@@ -211,15 +211,17 @@ class PromptBuilder:
         self._checked: set[int] = set()
 
     def body(self, spec: RequestSpec, *, behaviour: Behaviour,
-             stream: bool = True) -> dict[str, Any]:
+             stream: bool = True, sim_fields: bool = True) -> dict[str, Any]:
         """One request's body; `behaviour` (required: `recorded` hands kvgate the answer's
-        length, which no real client knows) decides its `max_tokens`."""
+        length, which no real client knows) decides its `max_tokens`. `sim_fields` False:
+        no `sim_output_tokens` (a real engine, where the client ends the answer)."""
         if spec.group >= 0:
             messages = self.group_messages(spec)
         else:
             messages = self._one_word(spec.prompt_tokens)
-        body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": stream,
-                                "sim_output_tokens": spec.output_tokens}
+        body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": stream}
+        if sim_fields:
+            body["sim_output_tokens"] = spec.output_tokens
         max_tokens = behaviour.max_tokens(spec.output_tokens)
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
