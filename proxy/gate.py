@@ -38,6 +38,7 @@ from proxy.ask import Admitted, Ask, Record, S
 from proxy.capacity import cdiv
 from proxy.config import ModelConfig, QueueConfig
 from proxy.count_workers import CountWorkers
+from proxy.engine_feedback import EngineFeedback
 from proxy.engine_metrics import EngineLoad
 from proxy.errors import (
     ContextLengthExceeded,
@@ -52,7 +53,6 @@ from proxy.metrics import Metrics, Outcome
 from proxy.reservation import (
     Progress,
     ReservationTracker,
-    apply_engine_report,
     follow_adaptively,
 )
 from proxy.sharing import counted_with_blocks, scope_of
@@ -62,7 +62,7 @@ from proxy.tokenize.chunked import CountExceeded
 from proxy.tokenize.fair_pool import counting_for
 from proxy.validation import Endpoint, ValidRequest
 
-__all__ = ["Gate", "every"]
+__all__ = ["Gate"]
 
 _log = logging.getLogger("kvgate")
 
@@ -124,6 +124,11 @@ class Gate:
                 self.controller, quantile=a.quantile, min_samples=a.min_samples,
                 history=a.history, resize_interval_s=a.resize_interval_s,
                 ledger_tokens=self.ledger_tokens, block_size=config.block_size)
+        self.feedback = EngineFeedback(
+            name=self.name, adaptive=config.adaptive, block_size=config.block_size,
+            controller=self.controller, ledger=ledger, metrics=metrics, tracker=self.tracker,
+            targets=self.targets, prefix_sharing=self.prefix_sharing,
+            kind_shares=self._kind_shares)
 
     @property
     def backends(self) -> list[Backend]:
@@ -471,73 +476,12 @@ class Gate:
     async def follow_engines(
         self, read_engine: Callable[[Backend], Awaitable[EngineLoad | None]]
     ) -> None:
-        """Until cancelled, in adaptive mode: resize the live leases as they generate,
-        and read every healthy engine's own figures to move its admission target. With
-        prefix sharing on (either mode) the engines are read too: one that reports its
-        prefix caching off, or another block size, shares nothing."""
-        a = self.config.adaptive
-        if self.tracker is None:
-            if self.prefix_sharing:  # a setting, not a load figure: read it less often
-                await every(max(5.0, a.engine_poll_interval_s),
-                            functools.partial(self._read_engines, read_engine),
-                            f"reading the engines of {self.name}")
-            return
-        await asyncio.gather(
-            every(a.resize_interval_s, self._resize_tick, f"resizing leases of {self.name}"),
-            every(a.engine_poll_interval_s, functools.partial(self._read_engines, read_engine),
-                   f"reading the engines of {self.name}"))
-
-    async def _resize_tick(self) -> None:
-        assert self.tracker is not None
-        await self.tracker.tick(self.controller, asyncio.get_running_loop().time())
-
-    async def _read_engines(
-        self, read_engine: Callable[[Backend], Awaitable[EngineLoad | None]]
-    ) -> None:
-        for backend in self.backends:
-            if not backend.healthy:
-                continue
-            try:
-                load = await read_engine(backend)
-            except Exception:  # one engine's failure must not freeze the others' targets
-                _log.exception("reading the engine of %s failed", backend.name)
-                continue
-            if load is not None:
-                self.engine_report(backend, load, asyncio.get_running_loop().time())
+        """Until cancelled: the resize timer and the engines' reports
+        (`proxy.engine_feedback`)."""
+        await self.feedback.follow(read_engine)
 
     def engine_report(self, backend: Backend, load: EngineLoad, now: float) -> None:
-        """A preemption, or the engine holding more than every lease, tightens the
-        backend's admission target at once; quiet reports loosen it slowly."""
-        self._engine_shares(backend, load)
-        target = self.targets.get(backend.name)
-        if target is None:  # strict: read for its prefix caching only
-            return
-        before = apply_engine_report(
-            self.controller, backend, target, now=now,
-            preemptions_total=load.preemptions_total, usage_ratio=load.usage_ratio,
-            reserved_tokens=self.ledger.resident(backend.name))
-        self.metrics.engine_reported(backend.name, usage_ratio=load.usage_ratio,
-                                     preemptions=load.preemptions_total)
-        if backend.target_factor < before:
-            _log.warning(
-                "backend %s: engine pressure (preemptions %s, KV use %s); admission "
-                "target now %d of %d tokens", backend.name, load.preemptions_total,
-                load.usage_ratio, backend.target_tokens, backend.capacity_tokens)
-
-    def _engine_shares(self, backend: Backend, load: EngineLoad) -> None:
-        """An engine that reports its prefix caching off (or another block size) shares
-        nothing; one whose kind keeps no shared cache (llama.cpp) shares nothing
-        whatever a metrics page says."""
-        if load.prefix_hit_tokens_total is not None:
-            self.metrics.engine_prefix_hits(backend.name, load.prefix_hit_tokens_total)
-        if load.prefix_caching is not None and self._kind_shares[backend.name]:
-            shares = load.prefix_caching and load.block_size in (None, self.config.block_size)
-            if shares != backend.shares_prefixes:
-                _log.warning("backend %s: engine reports prefix caching %s, block size %s "
-                             "(config: %d): shared prefixes %s", backend.name,
-                             load.prefix_caching, load.block_size, self.config.block_size,
-                             "charged once" if shares else "charged per request")
-                self.controller.set_shares_prefixes(backend, shares)
+        self.feedback.report(backend, load, now)
 
     def _lease_event(self, kind: str, lease: Lease | None) -> None:
         if lease is None:
@@ -547,17 +491,6 @@ class Gate:
                                    capacity=b.capacity_tokens, inflight=b.inflight)
         if self._on_lease is not None:
             self._on_lease(kind, lease)
-
-
-async def every(interval_s: float, action: Callable[[], Awaitable[None]], what: str) -> None:
-    """Run `action` now and every `interval_s` after, until cancelled; a failure is
-    logged and the timer goes on (a dead timer would leave leases unfollowed)."""
-    while True:
-        try:
-            await action()
-        except Exception:
-            _log.exception("%s failed", what)
-        await asyncio.sleep(interval_s)
 
 
 def _nonempty(counts: list[int]) -> list[int]:

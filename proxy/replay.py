@@ -47,9 +47,10 @@ from proxy.admission import Backend, Lease
 from proxy.ask import Admitted, Ask, Record
 from proxy.capacity import Deployment
 from proxy.config import AdaptiveConfig, BackendConfig, ModelConfig, QueueConfig
+from proxy.engine_feedback import every
 from proxy.engine_metrics import EngineLoad
 from proxy.errors import KvgateError
-from proxy.gate import Gate, every
+from proxy.gate import Gate
 from proxy.ledger import MemoryLedger
 from proxy.metrics import Metrics
 from proxy.prefix_blocks import shareable_blocks
