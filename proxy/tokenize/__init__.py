@@ -34,9 +34,10 @@ from proxy.tokenize.base import (
     TemplateError,
     TokenizerLoadError,
 )
-from proxy.tokenize.counting import MistralTokenCounter, TokenCounter, count_executor
+from proxy.tokenize.counting import TokenCounter, count_executor
 from proxy.tokenize.guard import CountFailed
 from proxy.tokenize.loading import load_counter
+from proxy.tokenize.mistral import MistralTokenCounter
 
 __all__ = [
     "ChatRequest",

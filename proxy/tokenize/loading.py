@@ -7,8 +7,9 @@ from pathlib import Path
 from proxy.tokenize.base import Encoder, PromptCounter, TokenizerLoadError
 from proxy.tokenize.bytelevel import try_fast
 from proxy.tokenize.cache import DEFAULT_CACHE_BYTES
-from proxy.tokenize.counting import MistralTokenCounter, TokenCounter
+from proxy.tokenize.counting import TokenCounter
 from proxy.tokenize.encoders import TIKTOKEN_NAMES, HFEncoder, TiktokenEncoder, rank_file_name
+from proxy.tokenize.mistral import MistralTokenCounter
 from proxy.tokenize.templates import read_chat_template, read_json, special_token_text
 
 __all__ = ["load_counter"]
