@@ -6,7 +6,6 @@ against the config file's directory, so a config and its model files travel toge
 
 from __future__ import annotations
 
-import json
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -24,8 +23,9 @@ from policies.ordering import (
 from policies.output import OutputPolicy, OutputPolicyName
 from policies.placement import PlacementName
 from policies.reservation import ReservationMode
-from proxy.capacity import Deployment, MemoryBudget
+from proxy.capacity import Deployment
 from proxy.clients import Clients, load_clients
+from proxy.config_capacity import parse_capacity
 from proxy.config_values import (
     check_keys,
     field_default,
@@ -36,8 +36,7 @@ from proxy.config_values import (
     get_str,
     get_table,
 )
-from proxy.modelconfig import ConfigError, layout_from_hf_config, max_model_len_from_hf_config
-from proxy.units import parse_count
+from proxy.modelconfig import ConfigError
 
 __all__ = [
     "AdaptiveConfig",
@@ -294,89 +293,6 @@ def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
     )
 
 
-_DEPLOYMENT_KEYS = {
-    "kv_tokens", "block_size", "model_config", "usable_memory", "gpu_memory_utilization",
-    "weights_bytes", "params", "weight_bits", "reserve_bytes", "overhead", "tp", "pp",
-    "cache_dtype", "capacity_from_backend",
-}
-
-
-def _deployment(
-    data: Mapping[str, Any], w: str, model_path: Path, base: Path
-) -> tuple[Deployment | None, int, int, str, int | None, bool]:
-    """-> (deployment, block_size, capacity_tokens, capacity source, max_model_len from config,
-    capacity_from_backend)."""
-    check_keys(data, _DEPLOYMENT_KEYS, w)
-    block_size = get_int(data, "block_size", w, field_default(Deployment, "block_size"), minimum=1)
-    config_path: Path | None = None
-    if "model_config" in data:
-        config_path = base / get_str(data, "model_config", w)
-    elif (model_path / "config.json").is_file():
-        config_path = model_path / "config.json"
-    deployment: Deployment | None = None
-    config_len: int | None = None
-    if config_path is not None:
-        try:
-            raw = json.loads(config_path.read_text(encoding="utf-8"))
-            deployment = Deployment(
-                layout=layout_from_hf_config(raw),
-                cache_dtype=get_str(data, "cache_dtype", w,
-                                    field_default(Deployment, "cache_dtype")),
-                tp=get_int(data, "tp", w, field_default(Deployment, "tp"), minimum=1),
-                pp=get_int(data, "pp", w, field_default(Deployment, "pp"), minimum=1),
-                block_size=block_size,
-            )
-            config_len = max_model_len_from_hf_config(raw)
-        except (OSError, json.JSONDecodeError, ValueError) as exc:
-            raise ConfigError(f"`{w}model_config` ({config_path}): {exc}") from exc
-    from_backend = get_flag(
-        data, "capacity_from_backend", w, field_default(ModelConfig, "capacity_from_backend")
-    )
-    if from_backend and "kv_tokens" not in data and "usable_memory" not in data:
-        # Nothing is admitted to a backend until its /metrics has given its capacity.
-        source = "the backend's report (vLLM /metrics cache_config_info, llama.cpp /props)"
-        return deployment, block_size, 0, source, config_len, from_backend
-    if "kv_tokens" in data:
-        kv_tokens = get_int(data, "kv_tokens", w, None, minimum=block_size)
-        capacity = kv_tokens // block_size * block_size
-        return deployment, block_size, capacity, "measured kv_tokens", config_len, from_backend
-    if deployment is None:
-        raise ConfigError(
-            f"`{w}kv_tokens` is required when the model has no config.json to estimate from"
-        )
-    if "usable_memory" not in data:
-        raise ConfigError(f"`{w}usable_memory` (or a measured `{w}kv_tokens`) is required")
-    if "weights_bytes" in data:
-        weights = get_bytes(data, "weights_bytes", w)
-    elif "params" in data:
-        try:
-            params = parse_count(data["params"], field=f"{w}params")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-        weights = (params * get_int(data, "weight_bits", w, 16, minimum=1) + 7) // 8
-    else:
-        raise ConfigError(f"`{w}weights_bytes` or `{w}params` is required to estimate capacity")
-    try:
-        budget = MemoryBudget(
-            usable_bytes=get_bytes(data, "usable_memory", w),
-            weights_bytes=weights,
-            gpu_memory_utilization=get_num(data, "gpu_memory_utilization", w, 0.9, minimum=0.01),
-            reserve_bytes=get_bytes(data, "reserve_bytes", w) if "reserve_bytes" in data else None,
-            overhead=(get_num(data, "overhead", w, None, minimum=0.0) if "overhead" in data
-                      else None),
-        )
-    except ValueError as exc:
-        raise ConfigError(f"`{w}`: {exc}") from exc
-    capacity = budget.token_capacity(deployment)
-    if capacity < block_size:
-        raise ConfigError(
-            f"`{w}`: the estimate leaves no KV cache ({budget.kv_pool_bytes(deployment)} bytes "
-            "per device after weights and reserve)"
-        )
-    source = "estimate from config.json and usable_memory"
-    return deployment, block_size, capacity, source, config_len, from_backend
-
-
 def _choice(data: Mapping[str, Any], key: str, w: str, choices: type[StrEnum]) -> str:
     """One of an enum's values; the default is `ModelConfig`'s."""
     value = get_str(data, key, w, field_default(ModelConfig, key))
@@ -419,11 +335,10 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
     reservation = ReservationMode(_choice(data, "reservation", w, ReservationMode))
     sharing = PrefixSharing(_choice(data, "prefix_sharing", w, PrefixSharing))
     adaptive = _adaptive(get_table(data, "adaptive", w), f"{w}adaptive.")
-    deployment_table = get_table(data, "deployment", w)
-    deployment, block_size, capacity, source, config_len, from_backend = _deployment(
-        deployment_table, f"{w}deployment.", path, base
-    )
-    max_len = data.get("max_model_len", config_len)
+    capacity = parse_capacity(
+        get_table(data, "deployment", w), f"{w}deployment.", path, base,
+        from_backend_default=field_default(ModelConfig, "capacity_from_backend"))
+    max_len = data.get("max_model_len", capacity.config_max_model_len)
     if max_len is None:
         raise ConfigError(f"`{w}max_model_len` is required (no config.json gives it)")
     max_model_len = get_int({"max_model_len": max_len}, "max_model_len", w, None, minimum=1)
@@ -463,9 +378,9 @@ def _model(data: Mapping[str, Any], i: int, base: Path) -> ModelConfig:
             "fails; use `reservation = \"strict\"` (the default for them)")
     return ModelConfig(
         name=name, path=path, max_model_len=max_model_len, output=output, placement=placement,
-        deployment=deployment, block_size=block_size, capacity_tokens=capacity,
-        capacity_source=source, backends=tuple(backends),
-        capacity_from_backend=from_backend,
+        deployment=capacity.deployment, block_size=capacity.block_size,
+        capacity_tokens=capacity.tokens, capacity_source=capacity.source,
+        backends=tuple(backends), capacity_from_backend=capacity.from_backend,
         reservation=reservation, adaptive=adaptive, prefix_sharing=sharing,
     )
 
