@@ -28,16 +28,14 @@ from policies.engines import (
     PrefixSharing,
     caches_prefixes,
     counts_as_llama_cpp,
-    default_output_tokens,
     requested_output,
 )
-from policies.output import decide_output
 from policies.reservation import AdmissionTarget, ReservationMode
 from proxy.admission import AdmissionController, Backend, Demand, Lease, controller_for
 from proxy.ask import Admitted, Ask, Record, S
-from proxy.capacity import cdiv
 from proxy.config import ModelConfig, QueueConfig
 from proxy.count_workers import CountWorkers
+from proxy.demand import DemandRule, ledger_rounding
 from proxy.engine_feedback import EngineFeedback
 from proxy.engine_metrics import EngineLoad
 from proxy.errors import (
@@ -45,7 +43,6 @@ from proxy.errors import (
     InternalError,
     InvalidRequest,
     KvgateError,
-    MaxTokensRequired,
     RequestTooLarge,
 )
 from proxy.ledger import Ledger
@@ -98,8 +95,7 @@ class Gate:
         self._on_lease = on_lease
         # Per layer kind, per request, and again on every resize: memoised, since a
         # model's layout never changes and lengths repeat.
-        self.ledger_tokens: Callable[[int], int] = functools.lru_cache(maxsize=16384)(
-            self._ledger_tokens)
+        self.ledger_tokens: Callable[[int], int] = ledger_rounding(config)
         backends = [Backend(name=b.name, url=b.url, api_key=b.api_key, slots=b.slots,
                             capacity_tokens=config.capacity_tokens) for b in config.backends]
         self.controller: AdmissionController = controller_for(
@@ -124,6 +120,7 @@ class Gate:
                 self.controller, quantile=a.quantile, min_samples=a.min_samples,
                 history=a.history, resize_interval_s=a.resize_interval_s,
                 ledger_tokens=self.ledger_tokens, block_size=config.block_size)
+        self.demand_rule = DemandRule(config, self._kinds, self.tracker, self.ledger_tokens)
         self.feedback = EngineFeedback(
             name=self.name, adaptive=config.adaptive, block_size=config.block_size,
             controller=self.controller, ledger=ledger, metrics=metrics, tracker=self.tracker,
@@ -285,59 +282,8 @@ class Gate:
     # ------------------------------------------------------------------ demand
     def demand(self, req: ValidRequest, prompts: list[int], *, priority: str = "",
                tenant: str = "") -> tuple[Demand, int | None]:
-        """Output reservation and context check per prompt; -> (demand, max_tokens to set).
-
-        Only a prompt that fills the context is refused; a max_tokens past the context's
-        end is forwarded unchanged and reserved up to that end, as the engines serve it.
-        The body carries one max_tokens for all its prompts: when the output policy caps
-        any of them, every prompt is forwarded with that cap, so every prompt reserves it
-        and must fit the context with it.
-        """
-        cfg = self.config
-        # Several prompts in one call: one lease, several sequences; follow none of them.
-        follow = not req.ignore_eos and len(prompts) == 1 and self.tracker is not None
-        kinds = self._kinds
-        requested = requested_output(kinds, max_tokens=req.max_tokens, n_predict=req.n_predict)
-        decisions = []
-        for prompt_tokens in prompts:
-            engine_default = default_output_tokens(
-                kinds, chat=req.endpoint is Endpoint.CHAT,
-                prompt_tokens=prompt_tokens, max_model_len=cfg.max_model_len)
-            decision = decide_output(cfg.output, requested=requested,
-                                     engine_default=engine_default)
-            if decision.missing:
-                raise MaxTokensRequired(
-                    f"model {cfg.name!r} requires `max_tokens` (or `max_completion_tokens`): "
-                    "kvgate reserves KV cache for every output token a request may generate",
-                    param="max_tokens",
-                )
-            decisions.append(decision)
-        set_to = next((d.set_max_tokens for d in decisions if d.set_max_tokens is not None),
-                      None)
-        total = 0
-        reserve_out = 0
-        for prompt_tokens, decision in zip(prompts, decisions, strict=True):
-            out = decision.max_tokens if set_to is None else set_to
-            room = cfg.max_model_len - prompt_tokens
-            if room < 1 or out < 1:  # the prompt alone leaves no room for one token
-                raise ContextLengthExceeded(
-                    max_model_len=cfg.max_model_len, prompt_tokens=prompt_tokens, max_tokens=out,
-                )
-            # vLLM and llama.cpp take prompt + max_tokens over the context and stop at its
-            # end (finish_reason "length"): the request can hold no more than that.
-            out = min(out, room)
-            reserve_out = max(reserve_out, out)
-            if self.tracker is not None:
-                total += self.tracker.lease_tokens(
-                    prompt_tokens=prompt_tokens, max_tokens=out, n=req.n,
-                    min_tokens=min(req.min_tokens, out), strict=not follow,
-                )
-            else:
-                total += req.n * self.ledger_tokens(prompt_tokens + out)
-        demand = Demand(tokens=total, prompt_tokens=sum(prompts), max_tokens=reserve_out,
-                        n=req.n, priority=priority, tenant=tenant,
-                        min_tokens=min(req.min_tokens, reserve_out), follow=follow)
-        return demand, set_to
+        """What the request holds (`proxy.demand`); -> (demand, max_tokens to set)."""
+        return self.demand_rule.of(req, prompts, priority=priority, tenant=tenant)
 
     def _refuse_what_never_fits(self, req: ValidRequest) -> None:
         """What parsing alone decides, before any counting: every prompt holds at least
@@ -345,19 +291,13 @@ class Gate:
         prompts than the largest backend could hold that way is refused at once (a
         million one-word prompts costs seconds to count and can never be admitted)."""
         prompts = 1 if req.chat is not None else len(req.prompts)
-        least = prompts * req.n * self.ledger_tokens(2)
+        least = self.demand_rule.least_tokens(req)
         largest = self.controller.max_capacity_tokens
         if least > largest:
             raise RequestTooLarge(
                 f"{prompts} prompt(s) x n={req.n} hold at least {least} tokens, more than the "
                 f"largest backend capacity {largest} tokens of model {self.name!r}; it can "
                 "never be admitted", param="prompt")
-
-    def _ledger_tokens(self, resident_tokens: int) -> int:
-        """Block-rounded ledger tokens (token-equivalents for hybrid layouts)."""
-        if self.config.deployment is not None:
-            return self.config.deployment.ledger_tokens(resident_tokens)
-        return cdiv(resident_tokens, self.config.block_size) * self.config.block_size
 
     # ------------------------------------------------------------------ counting
     @property

@@ -42,17 +42,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.errors import LedgerUnavailable
+from proxy.redis_faults import REDIS_ERRORS, unreachable
 from proxy.redis_policy import UnsafeRedisConfig
+from proxy.redis_refresh import RefreshingUpkeep
 from proxy.redis_scripts import LOST, RESERVE_LUA, RESIZE_LUA
-from proxy.redis_upkeep import (
-    KEY_CHARS,
-    REDIS_ERRORS,
-    LiveLease,
-    Op,
-    Upkeep,
-    as_text,
-    unreachable,
-)
+from proxy.redis_upkeep import KEY_CHARS, LiveLease, Op, as_text
 
 __all__ = ["RedisLedger", "UnsafeRedisConfig"]
 
@@ -109,7 +103,7 @@ class RedisLedger:
         self._tasks: list[asyncio.Task[None]] = []
         self._client: aioredis.Redis | None = None
         self._closing = False
-        self._upkeep = Upkeep(
+        self._upkeep = RefreshingUpkeep(
             backends=self._backends, keys=self.keys, channel=self._channel,
             ttl_ms=self._ttl_ms, refresh_s=refresh_interval_s, window_s=recovery_window_s,
             live=self._live, resident=self._resident, epoch=self._epoch, ops=self._ops,

@@ -7,10 +7,7 @@ upkeep apart from its commands:
 * the worker: releases, ready marks and renewals, in order, pipelined in batches,
   retried while Redis cannot be reached (so `release()` never awaits); an error reply
   is not retried (`refused`);
-* the refresh pass: renewals every ttl/3, else reclaiming expired leases, checking
-  each backend's epoch and repairing drift; and the eviction-policy check;
-* the listener: release notices over pub/sub, so a waiter wakes on another replica's
-  release;
+* the refresh pass and the listener (`proxy.redis_refresh`, which extends `Upkeep`);
 * loss and rebuild: whether Redis can be reached, the epoch each backend's leases are
   registered under, and how long a rebuild still refuses admission (the scripts that
   detect and repair a loss: `proxy.redis_scripts`).
@@ -33,74 +30,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import (
-    ClusterDownError,
-    InvalidResponse,
-    NoScriptError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoScriptError, ResponseError
 
 from proxy.errors import LedgerUnavailable
+from proxy.redis_faults import REDIS_ERRORS, Repeats, fault, refused, unreachable
 from proxy.redis_policy import UnsafeRedisConfig, eviction_risk
 from proxy.redis_scripts import LOST, READY_LUA, REBUILDING, RECLAIM_LUA, RELEASE_LUA, RENEW_LUA
 
-__all__ = ["KEY_CHARS", "REDIS_ERRORS", "LiveLease", "Op", "Upkeep", "as_text", "refused",
-           "unreachable"]
+__all__ = ["KEY_CHARS", "LiveLease", "Op", "Upkeep", "as_text"]
 
 log = logging.getLogger("kvgate.ledger")
-
-# What a call to Redis may raise: `unreachable` tells a failure to reach it (retried),
-# `refused` an error reply (not retried).
-REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
-
-# Error replies that say "not now" rather than "never": a server still loading or
-# demoted to a replica, a script running too long, memory full under noeviction, a
-# cluster reconfiguring, too few replicas for a write. They pass, and count as Redis
-# being out of reach meanwhile. (redis-py strips the code from the errors it has a
-# class for.)
-_PASSING_REPLIES = (ClusterDownError, OutOfMemoryError, ReadOnlyError, TryAgainError)
-_PASSING_CODES = frozenset({"BUSY", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "NOREPLICAS",
-                            "OOM", "READONLY", "TRYAGAIN"})
-
-
-def refused(exc: BaseException) -> bool:
-    """Whether `exc` is an error reply that asking again will not change: a WRONGTYPE (a
-    key another program wrote), a script's runtime error, NOSCRIPT where loading the
-    script is refused, NOPERM, an unknown command.
-
-    Redis answered, so it is not an outage, and is not handled as one. Retrying would
-    fail the same way for good and hold up everything queued behind it (the worker
-    runs in order), and marking Redis unreachable would refuse admission on every
-    backend, and log an outage, for one key that is broken. So each operation it
-    answers is logged as refused and settled on its own: a reserve answers 503 (kvgate
-    never admits without the ledger), a resize keeps the lease's size, a release still
-    counts as released on this replica (its lease, no longer renewed, is reclaimed by a
-    refresh pass at its TTL once the scripts run again there), a ready mark leaves its
-    blocks unshared (charged in full: the safe side), and a renewal, a refresh pass and
-    a resident read are done again on the next pass.
-    """
-    if not isinstance(exc, ResponseError):
-        return False
-    return not (isinstance(exc, _PASSING_REPLIES)
-                or str(exc).partition(" ")[0] in _PASSING_CODES)
-
-
-def unreachable(exc: BaseException) -> bool:
-    """Whether `exc` says Redis cannot serve the ledger for now: no answer (a lost
-    connection, a timeout, a garbled reply) or an error reply that passes. Retried,
-    and meanwhile the ledger refuses admission. What is neither (an error in the
-    client's own input) is a bug, for the caller's catch-all."""
-    if isinstance(exc, ResponseError):
-        return not refused(exc)
-    return isinstance(exc, (RedisConnectionError, RedisTimeoutError, InvalidResponse,
-                            OSError, asyncio.TimeoutError))
-
 
 KEY_CHARS = 16  # a block key: 64 bits in hex (`proxy.prefix_blocks`)
 
@@ -132,36 +71,6 @@ class LiveLease:
 
 def as_text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class _Repeats:
-    """Logs a fault that recurs (on every refresh pass, on every release to a broken key)
-    once per `every_s`, then says how often it recurred since: a lasting fault stays in
-    sight without flooding the log. Faults are told apart by a key (what failed, where,
-    and the error)."""
-
-    def __init__(self, every_s: float = 30.0) -> None:
-        self._every_s = every_s
-        self._seen: dict[tuple[str, ...], list[float]] = {}  # key -> [logged at, since]
-
-    def log(self, key: tuple[str, ...], level: int, message: str, *args: Any,
-            exc_info: BaseException | None = None) -> None:
-        now = time.monotonic()
-        seen = self._seen.get(key)
-        if seen is not None and now - seen[0] < self._every_s:
-            seen[1] += 1
-            return
-        if seen is not None and seen[1]:
-            message += " (and %d more like it since it was last logged)"
-            args += (int(seen[1]),)
-        if len(self._seen) >= 1024:  # keys carry error texts: keep them bounded
-            self._seen.clear()
-        self._seen[key] = [now, 0]
-        log.log(level, message, *args, exc_info=exc_info)
-
-
-def _fault(exc: BaseException) -> tuple[str, str]:
-    return type(exc).__name__, str(exc)
 
 
 class Upkeep:
@@ -203,7 +112,7 @@ class Upkeep:
         # redis-py's get_message can absorb a cancel, so the listener stops on a flag
         self._closing = closing
         self._listeners: list[Callable[[str], None]] = []
-        self._repeats = _Repeats()
+        self._repeats = Repeats()
         self._was_available = False
         self._client: aioredis.Redis | None = None
         self.reachable = False
@@ -288,7 +197,7 @@ class Upkeep:
         """Log an error reply as one (`refused`): what Redis refused, for which lease on
         which backend, its reply, and what follows; the same again once per 30 s."""
         whose = f" of lease {lease_id}" if lease_id else ""
-        self._repeats.log((what, backend, *_fault(exc)), logging.ERROR,
+        self._repeats.log((what, backend, *fault(exc)), logging.ERROR,
                           "shared ledger of %s: Redis refused the %s%s: %s: %s; %s",
                           backend, what, whose, type(exc).__name__, exc, then)
 
@@ -305,7 +214,7 @@ class Upkeep:
                 callback(backend)
             except Exception as exc:
                 self._repeats.log(
-                    ("listener", repr(callback), *_fault(exc)), logging.ERROR,
+                    ("listener", repr(callback), *fault(exc)), logging.ERROR,
                     "shared ledger: a listener (%r) raised on a notice for %s; the ledger "
                     "goes on", callback, backend, exc_info=exc)
 
@@ -383,7 +292,7 @@ class Upkeep:
                 failed += 1
                 kinds = Counter(kind for kind, _, _ in batch)
                 self._repeats.log(
-                    ("worker", *_fault(exc)), logging.ERROR,
+                    ("worker", *fault(exc)), logging.ERROR,
                     "shared ledger: a batch of %s failed and is dropped, not retried "
                     "(released leases are reclaimed at their TTL, renewals are queued "
                     "again by the refresh pass); the worker goes on",
@@ -534,147 +443,3 @@ class Upkeep:
         if indexed:
             log.warning("%d leases on %s had lost their expiry: given one lease TTL",
                         indexed, backend)
-
-    # ------------------------------------------------------------------ the refresh pass
-    async def maintain(self) -> None:
-        """Renew leases every ttl/3 (every pass while unreachable or rebuilding), else
-        reclaim expired ones, check the epoch and repair drift; refresh the resident view.
-
-        Only a cancel stops it: the refresh pass queues the renewals, and one that
-        stopped would let every live lease of this replica expire. A pass that raises
-        anything besides Redis' errors (a bug) is logged with its traceback, and the
-        next pass runs on schedule: passes are `refresh_interval_s` apart whether they
-        fail or not, so a failure that repeats does not spin.
-        """
-        renew_every_s = self._ttl_ms / 3000
-        since_renew = renew_every_s
-        self._was_available = self.available
-        while True:
-            renew = since_renew >= renew_every_s or not self.available
-            if renew:
-                since_renew = 0.0
-            try:
-                await self._pass(renew, renew_every_s)
-            except Exception as exc:
-                self._repeats.log(("refresh", *_fault(exc)), logging.ERROR,
-                                  "shared ledger: a refresh pass failed; the next runs in "
-                                  "%.1f s", self._refresh_s, exc_info=exc)
-            await asyncio.sleep(self._refresh_s)
-            since_renew += self._refresh_s
-
-    async def _pass(self, renew: bool, renew_every_s: float) -> None:
-        if renew:
-            for backend in self._backends:
-                self._queue_renewal(backend)
-        else:
-            try:
-                await self._reclaim_expired()
-            except REDIS_ERRORS as exc:
-                if not unreachable(exc):
-                    raise
-                self.set_reachable(False, exc)
-        if self.reachable and (not self._policy_checked_at or time.monotonic()
-                               - self._policy_checked_at >= renew_every_s):
-            with contextlib.suppress(*REDIS_ERRORS):
-                problem = await self.check_eviction_policy()
-                self._policy_checked_at = time.monotonic()
-                if problem is not None:
-                    # Too late to refuse to start: say it loudly; a lost lease hash
-                    # is still caught by the epoch and rebuilt.
-                    self._say_policy("unsafe", logging.ERROR, "%s", problem)
-        available = self.available
-        if available and not self._was_available and self.reachable:
-            log.warning("shared ledger admits again")
-        self._was_available = available
-        # Waiters re-check after each pass: this covers a lost pub/sub message.
-        self._notify_all()
-
-    async def _reclaim_expired(self) -> None:
-        """One pipelined pass: reclaim expired leases, check each backend's epoch, repair
-        drift, refresh the resident view. A backend whose script got NOSCRIPT is run
-        once more at once (the next pipeline loads the scripts first, as the worker's)."""
-        backends = await self._reclaim_on(self._backends, reloaded=False)
-        if backends:
-            await self._reclaim_on(backends, reloaded=True)
-
-    async def _reclaim_on(self, backends: list[str], *, reloaded: bool) -> list[str]:
-        """-> the backends to run again: those that got NOSCRIPT, unless `reloaded`."""
-        assert self._client is not None
-        pipe = self._client.pipeline(transaction=False)
-        for backend in backends:
-            await self._reclaim(keys=self._keys(backend),
-                                args=[self._channel, backend, self._ttl_ms], client=pipe)
-        results = await self._execute(pipe, len(backends))
-        passing: ResponseError | None = None
-        again: list[str] = []
-        for backend, result in zip(backends, results, strict=True):
-            if isinstance(result, ResponseError):
-                if isinstance(result, NoScriptError) and not reloaded:
-                    again.append(backend)
-                elif not refused(result):
-                    passing = result
-                else:
-                    self.say_refused("refresh pass", backend, "", result,
-                                     "its expired leases are not reclaimed, nor its "
-                                     "counters repaired, until a pass is answered")
-                continue
-            self._resident[backend] = int(result[0])
-            self.reclaimed_total += int(result[1])
-            if result[2] is None or as_text(result[2]) != self._epoch.get(backend):
-                self._lost(backend, gone=result[2] is None)
-                continue
-            self._rebuilding_until[backend] = time.monotonic() + max(0, int(result[3])) / 1000
-            self._drifted(backend, int(result[4]), int(result[5]))
-        if passing is not None:
-            raise passing  # the other backends' answers are taken in
-        return again
-
-    # ------------------------------------------------------------------ the listener
-    async def listen(self) -> None:
-        """Release notices from every replica: refresh the resident view and wake waiters.
-
-        Only `close()` stops it: anything it raises besides Redis' errors (a bug, a
-        notice it cannot read) is logged with its traceback and it subscribes again
-        after a refresh interval."""
-        while not self._closing():
-            try:
-                assert self._client is not None
-                pubsub = self._client.pubsub()
-                await pubsub.subscribe(self._channel)
-                try:
-                    while not self._closing():
-                        message = await pubsub.get_message(
-                            ignore_subscribe_messages=True, timeout=0.2
-                        )
-                        if message is None:
-                            continue
-                        backend = message["data"].decode()
-                        try:
-                            value = await self._client.get(self._keys(backend)[0])
-                        except ResponseError as exc:
-                            if not refused(exc):
-                                raise
-                            self.say_refused("read of the resident counter", backend, "",
-                                             exc, "the waiters are woken all the same")
-                        else:
-                            self._resident[backend] = int(value or 0)
-                        self._notify(backend)
-                finally:
-                    # Bounded: closing a pub/sub connection mid-read can otherwise hang
-                    # a cancelled task (and with it, shutdown).
-                    with contextlib.suppress(*REDIS_ERRORS, TimeoutError):
-                        async with asyncio.timeout(1.0):
-                            await pubsub.aclose()  # type: ignore[no-untyped-call]
-            except REDIS_ERRORS as exc:
-                if not unreachable(exc):  # e.g. SUBSCRIBE denied by an ACL
-                    self._repeats.log(("listen", *_fault(exc)), logging.ERROR,
-                                      "shared ledger: Redis refused the release-notice "
-                                      "subscription: %s: %s; trying again in %.1f s",
-                                      type(exc).__name__, exc, self._refresh_s)
-                await asyncio.sleep(self._refresh_s)
-            except Exception as exc:
-                self._repeats.log(("listen", *_fault(exc)), logging.ERROR,
-                                  "shared ledger: the release-notice listener failed; it "
-                                  "subscribes again in %.1f s", self._refresh_s,
-                                  exc_info=exc)
-                await asyncio.sleep(self._refresh_s)
