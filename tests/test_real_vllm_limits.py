@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,10 +33,15 @@ import pytest
 from proxy.engine_metrics import engine_load
 from tests.support.corpus import conversations
 from tests.support.engines import (
+    NOTHING_HELD,
     TINY_MODEL,
     EngineProcess,
     answer,
     bounded,
+    chat_of,
+    completion_of,
+    kvgate_error,
+    reserved_now,
     start_vllm,
     tiny_model_dir,
     vllm_python,
@@ -50,11 +54,6 @@ BLOCKS, BLOCK = 65, 32
 USABLE = (BLOCKS - 1) * BLOCK  # 2,048 tokens: two whole contexts
 MAX_LEN = 1024
 MAX_SEQS = 16
-
-# kvgate's own error codes (proxy/errors.py): what it answers with itself
-KVGATE_CODES = {"invalid_request", "context_length_exceeded", "max_tokens_required",
-                "queue_full", "queue_timeout", "no_backend", "ledger_unavailable",
-                "memory_budget", "upstream_error", "request_too_large"}
 
 
 @pytest.fixture(scope="module")
@@ -88,30 +87,6 @@ def kvgate(engine: EngineProcess, model_dir: Path, *, reservation: str = "strict
 
 # ------------------------------------------------------------------------- helpers
 
-tokenizer = functools.cache(hf_tokenizer)
-
-
-def chat_of(model_dir: Path, tokens: int) -> list[dict[str, Any]]:
-    """A one-message chat whose prompt is exactly `tokens` tokens with Qwen3's template."""
-    tok = tokenizer(model_dir)
-    lo, hi = 1, tokens
-    while lo <= hi:  # the count grows by one per word
-        n = (lo + hi) // 2
-        messages = [{"role": "user", "content": "cache " * n}]
-        got = hf_count(tok, {"messages": messages})
-        if got == tokens:
-            return messages
-        lo, hi = (n + 1, hi) if got < tokens else (lo, n - 1)
-    raise AssertionError(f"no chat of {tokens} tokens")
-
-
-def text_of(model_dir: Path, tokens: int) -> str:
-    """A completion prompt of exactly `tokens` tokens ("cache" and then " cache"s)."""
-    text = "cache" + " cache" * (tokens - 1)
-    got = len(tokenizer(model_dir).encode(text, add_special_tokens=False))
-    assert got == tokens, f"{got} tokens, not {tokens}"
-    return text
-
 
 def request(model_dir: Path, endpoint: str, prompt_tokens: int, max_tokens: int,
             stream: bool) -> tuple[str, dict[str, Any]]:
@@ -121,47 +96,7 @@ def request(model_dir: Path, endpoint: str, prompt_tokens: int, max_tokens: int,
         body["stream_options"] = {"include_usage": True}
     if endpoint == "chat":
         return "/v1/chat/completions", {**body, "messages": chat_of(model_dir, prompt_tokens)}
-    return "/v1/completions", {**body, "prompt": text_of(model_dir, prompt_tokens)}
-
-
-async def reserved_now(s: aiohttp.ClientSession, stack: Stack) -> dict[str, int]:
-    """Tokens reserved and leases held, summed over the backends, as /admin/state and
-    /metrics show them; waits (bounded) for a just-finished answer to release."""
-    async with bounded(10):
-        while True:
-            async with s.get(f"{stack.url}/admin/state") as resp:
-                state = await resp.json()
-            views = state["models"][TINY_MODEL]["backends"].values()
-            held = {"resident_tokens": sum(v["resident_tokens"] for v in views),
-                    "leases": sum(v["leases"] for v in views)}
-            async with s.get(f"{stack.url}/metrics") as resp:
-                held["metric_resident_tokens"] = sum(
-                    int(float(line.rsplit(" ", 1)[1])) for line in (await resp.text()).splitlines()
-                    if line.startswith("kvgate_resident_tokens{"))
-            if not any(held.values()):
-                return held
-            await asyncio.sleep(0.05)
-
-
-def kvgate_error(got: dict[str, Any]) -> dict[str, Any]:
-    """The error object of an answer that kvgate itself gave (its shape, its codes)."""
-    data = got.get("json")
-    assert isinstance(data, dict) and isinstance(data.get("error"), dict), got
-    error: dict[str, Any] = data["error"]
-    assert error.get("code") in KVGATE_CODES, f"not one of kvgate's answers: {data}"
-    assert error.get("type") == "invalid_request_error" or got["status"] != 400, data
-    return error
-
-
-async def answer_json(s: aiohttp.ClientSession, base: str, path: str, body: dict[str, Any]
-                      ) -> dict[str, Any]:
-    """`answer`, and for a non-200 stream its JSON error body too."""
-    if body.get("stream"):
-        async with s.post(f"{base}{path}", json=body) as resp:
-            if resp.status != 200:
-                return {"status": resp.status, "headers": dict(resp.headers),
-                        "json": await resp.json(content_type=None)}
-    return await answer(s, base, path, body)
+    return "/v1/completions", {**body, "prompt": completion_of(model_dir, prompt_tokens)}
 
 
 # ------------------------------------------------------------------------- the context's end
@@ -196,8 +131,7 @@ def test_over_context_max_tokens_served_to_the_context_end(
             if stream:
                 assert via["done"] and direct["done"]
                 assert via["errors"] == direct["errors"] == []
-            assert await reserved_now(s, stack) == {
-                "resident_tokens": 0, "leases": 0, "metric_resident_tokens": 0}
+            assert await reserved_now(s, stack.url) == NOTHING_HELD
 
     asyncio.run(scenario())
 
@@ -219,13 +153,12 @@ def test_max_tokens_over_max_model_len_is_answered_from_kvgates_contract(
     async def scenario() -> None:
         async with kvgate(vllm, model_dir) as stack, aiohttp.ClientSession() as s, \
                 bounded(60):
-            direct = await answer_json(s, vllm.url, path, body)
+            direct = await answer(s, vllm.url, path, body)
             assert direct["status"] == 400, direct
             assert "cannot be greater than max_model_len" in direct["json"]["error"]["message"]
-            via = await answer_json(s, stack.url, path, body)
+            via = await answer(s, stack.url, path, body)
             assert via["status"] == 400, via
-            assert await reserved_now(s, stack) == {
-                "resident_tokens": 0, "leases": 0, "metric_resident_tokens": 0}
+            assert await reserved_now(s, stack.url) == NOTHING_HELD
             error = kvgate_error(via)
             assert error.get("param") == "max_tokens", via["json"]
             assert "x-kvgate-reserved-tokens" not in via["headers"], \
@@ -248,23 +181,21 @@ def test_prompt_alone_over_the_context_refused_by_kvgate(
                 bounded(60):
             for prompt_tokens in (MAX_LEN, MAX_LEN + 6):
                 path, body = request(model_dir, endpoint, prompt_tokens, 16, stream)
-                direct = await answer_json(s, vllm.url, path, body)
+                direct = await answer(s, vllm.url, path, body)
                 assert direct["status"] == 400, direct
-                via = await answer_json(s, stack.url, path, body)
+                via = await answer(s, stack.url, path, body)
                 assert via["status"] == 400, via
                 error = kvgate_error(via)
                 assert error["code"] == "context_length_exceeded", via["json"]
                 assert via["json"] != direct["json"]  # kvgate's answer, not the engine's
                 assert "x-kvgate-reserved-tokens" not in via["headers"]
-                assert await reserved_now(s, stack) == {
-                    "resident_tokens": 0, "leases": 0, "metric_resident_tokens": 0}
+                assert await reserved_now(s, stack.url) == NOTHING_HELD
             path, body = request(model_dir, endpoint, MAX_LEN - 1, 16, stream)
             via = await answer(s, stack.url, path, body)
             assert via["status"] == 200, via
             assert via["finish"] == "length"
             assert via["usage"]["completion_tokens"] == 1
-            assert await reserved_now(s, stack) == {
-                "resident_tokens": 0, "leases": 0, "metric_resident_tokens": 0}
+            assert await reserved_now(s, stack.url) == NOTHING_HELD
 
     asyncio.run(scenario())
 
@@ -283,7 +214,7 @@ STOP_IDS = list(range(11, 151643, 150))
 def load_bodies(model_dir: Path) -> list[dict[str, Any]]:
     """LOAD_N chats of the corpus (those under 512 prompt tokens, cycled), each with its
     own max_tokens, half of them streamed."""
-    tok = tokenizer(model_dir)
+    tok = hf_tokenizer(model_dir)
     convs = [openai_tool_calls(c) for c in conversations(tools=False)]
     short = [c for c in convs if 0 < hf_count(tok, c) < 512]
     assert len(short) >= 15, len(short)
@@ -305,7 +236,7 @@ async def run_load(base: str, bodies: list[dict[str, Any]]) -> list[dict[str, An
 
         async def client() -> None:
             while todo:
-                results.append(await answer_json(s, base, "/v1/chat/completions", todo.pop()))
+                results.append(await answer(s, base, "/v1/chat/completions", todo.pop()))
 
         async with bounded(150):
             await asyncio.gather(*(client() for _ in range(LOAD_CLIENTS)))
@@ -348,7 +279,7 @@ def test_adaptive_overload_preempts_at_most_one_percent_of_admitted(
         async with kvgate(vllm, model_dir, reservation="adaptive", deadline_s=120.0) as stack:
             results = await run_load(stack.url, bodies)
             async with aiohttp.ClientSession() as s:
-                held = await reserved_now(s, stack)
+                held = await reserved_now(s, stack.url)
         return results, held
 
     before = preemptions(vllm)
@@ -363,7 +294,7 @@ def test_adaptive_overload_preempts_at_most_one_percent_of_admitted(
     assert contract_breaches(results) == []
     assert admitted >= len(results) * 3 // 4, f"only {admitted} admitted"
     assert preempted <= 0.01 * admitted, f"{preempted} preemptions for {admitted} admitted"
-    assert held == {"resident_tokens": 0, "leases": 0, "metric_resident_tokens": 0}
+    assert held == NOTHING_HELD
     assert vllm.alive()
 
 
