@@ -25,11 +25,16 @@ import pytest
 
 from tests.support.corpus import conversations, words
 from tests.support.engines import (
+    NOTHING_HELD,
     TINY_MODEL,
     EngineProcess,
     answer,
     bounded,
+    chat_of,
+    completion_of,
+    kvgate_error,
     llama_server_binary,
+    reserved_now,
     start_llama_server,
     tiny_model_dir,
 )
@@ -146,6 +151,107 @@ def test_answers_pass_through_kvgate_unchanged(
                     return {k: v for k, v in d.items()
                             if k not in ("id", "created", "timings", "system_fingerprint")}
                 assert stable(via["json"]) == stable(direct["json"])
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------- the context's end
+
+SLOT = 512  # the context of the one slot of `llama512`
+PROMPT_AT_END = 448
+
+
+@pytest.fixture(scope="module")
+def llama512(model_dir: Path, logs: Path) -> Iterator[EngineProcess]:
+    """One slot with a 512-token context."""
+    engine = start_llama_server(logs, ctx_size=SLOT, parallel=1, unified=True)
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def context_request(model_dir: Path, endpoint: str, prompt_tokens: int, max_tokens: int,
+                    stream: bool) -> tuple[str, dict[str, Any]]:
+    if endpoint == "chat":
+        body = chat_body(chat_of(model_dir, prompt_tokens), max_tokens=max_tokens,
+                         stream=stream)
+        path = "/v1/chat/completions"
+    else:
+        body = completion_body(completion_of(model_dir, prompt_tokens), max_tokens=max_tokens,
+                               stream=stream)
+        path = "/v1/completions"
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return path, body
+
+
+def fresh_session() -> aiohttp.ClientSession:
+    # llama-server closes the connection after a streamed answer: no pooled connection
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_over_context_max_tokens_served_to_the_context_end(
+    llama512: EngineProcess, model_dir: Path, endpoint: str, stream: bool,
+) -> None:
+    """Prompt 448 + max_tokens 4,096 on a 512-token slot: llama-server serves it to the
+    context's end (64 tokens, "length"); through kvgate the same 200, text and usage,
+    reserved only up to the context's end (512), and the lease released after."""
+    path, body = context_request(model_dir, endpoint, PROMPT_AT_END, 4096, stream)
+
+    async def scenario() -> None:
+        async with kvgate(llama512, model_dir, kv_tokens=SLOT, max_model_len=SLOT) as stack, \
+                fresh_session() as s, bounded(60):
+            direct = await answer(s, llama512.url, path, body)
+            via = await answer(s, stack.url, path, body)
+            assert direct["status"] == 200, direct
+            assert via["status"] == 200, via
+            assert via["finish"] == direct["finish"] == "length"
+            assert via["usage"] == direct["usage"]
+            assert via["usage"]["prompt_tokens"] == PROMPT_AT_END
+            assert via["usage"]["completion_tokens"] == SLOT - PROMPT_AT_END
+            assert via["text"] == direct["text"]
+            assert via["headers"]["x-kvgate-prompt-tokens"] == str(PROMPT_AT_END)
+            assert via["headers"]["x-kvgate-reserved-tokens"] == str(SLOT)
+            if stream:
+                assert via["done"] and direct["done"]
+                assert via["errors"] == direct["errors"] == []
+            assert await reserved_now(s, stack.url) == NOTHING_HELD
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_prompt_alone_over_the_context_refused_by_kvgate(
+    llama512: EngineProcess, model_dir: Path, endpoint: str, stream: bool,
+) -> None:
+    """A prompt of 512 or 518 tokens on a 512-token slot is kvgate's `400
+    context_length_exceeded` (its shape; llama-server's own refusal is `400
+    exceed_context_size_error`), no lease taken. One token less (511) is admitted and
+    served: 1 token, "length"."""
+
+    async def scenario() -> None:
+        async with kvgate(llama512, model_dir, kv_tokens=SLOT, max_model_len=SLOT) as stack, \
+                fresh_session() as s, bounded(60):
+            for prompt_tokens in (SLOT, SLOT + 6):
+                path, body = context_request(model_dir, endpoint, prompt_tokens, 16, stream)
+                direct = await answer(s, llama512.url, path, body)
+                assert direct["status"] == 400, direct
+                assert direct["json"]["error"]["type"] == "exceed_context_size_error"
+                via = await answer(s, stack.url, path, body)
+                assert via["status"] == 400, via
+                assert kvgate_error(via)["code"] == "context_length_exceeded", via["json"]
+                assert "x-kvgate-reserved-tokens" not in via["headers"]
+                assert await reserved_now(s, stack.url) == NOTHING_HELD
+            path, body = context_request(model_dir, endpoint, SLOT - 1, 16, stream)
+            via = await answer(s, stack.url, path, body)
+            assert via["status"] == 200, via
+            assert via["finish"] == "length"
+            assert via["usage"]["completion_tokens"] == 1
+            assert await reserved_now(s, stack.url) == NOTHING_HELD
 
     asyncio.run(scenario())
 

@@ -243,7 +243,7 @@ async def answer(s: aiohttp.ClientSession, base: str, path: str, body: dict[str,
     chat = path.endswith("chat/completions")
     async with s.post(f"{base}{path}", json=body) as resp:
         out: dict[str, Any] = {"status": resp.status, "headers": dict(resp.headers)}
-        if not body.get("stream"):
+        if not body.get("stream") or resp.status != 200:  # a refused stream is JSON
             data = await resp.json(content_type=None)
             out["json"] = data
             if resp.status == 200:
@@ -272,3 +272,81 @@ async def answer(s: aiohttp.ClientSession, base: str, path: str, body: dict[str,
         out |= {"text": "".join(pieces), "finish": finish, "usage": usage, "done": done,
                 "errors": errors}
         return out
+
+
+# ------------------------------------------------------------------------- prompts
+
+
+@functools.cache
+def _tokenizer(model_dir: Path) -> Any:
+    from tests.support.reference import hf_tokenizer
+
+    return hf_tokenizer(model_dir)
+
+
+def chat_of(model_dir: Path, tokens: int) -> list[dict[str, Any]]:
+    """A one-message chat whose prompt is exactly `tokens` tokens with Qwen3's template."""
+    from tests.support.reference import hf_count
+
+    lo, hi = 1, tokens
+    while lo <= hi:  # one more word, one more token
+        n = (lo + hi) // 2
+        messages = [{"role": "user", "content": "cache " * n}]
+        got = hf_count(_tokenizer(model_dir), {"messages": messages})
+        if got == tokens:
+            return messages
+        lo, hi = (n + 1, hi) if got < tokens else (lo, n - 1)
+    raise AssertionError(f"no chat of {tokens} tokens")
+
+
+def completion_of(model_dir: Path, tokens: int) -> str:
+    """A completion prompt of exactly `tokens` tokens ("cache", then " cache"s)."""
+    text = "cache" + " cache" * (tokens - 1)
+    got = len(_tokenizer(model_dir).encode(text, add_special_tokens=False))
+    assert got == tokens, f"{got} tokens, not {tokens}"
+    return text
+
+
+# ------------------------------------------------------------------------- kvgate's side
+
+# kvgate's own error codes (proxy/errors.py): what it answers with itself
+KVGATE_CODES = frozenset({
+    "invalid_request", "context_length_exceeded", "max_tokens_required", "unauthorized",
+    "model_not_found", "request_too_large", "queue_full", "queue_timeout", "no_backend",
+    "ledger_unavailable", "memory_budget", "upstream_error", "internal_error"})
+NOTHING_HELD = {"resident_tokens": 0, "leases": 0, "metric_resident_tokens": 0}
+
+
+def kvgate_error(got: dict[str, Any]) -> dict[str, Any]:
+    """The error object of an answer kvgate gave itself: its shape and one of its codes
+    (an engine's own refusal relayed fails this: vLLM's code is the int 400)."""
+    data = got.get("json")
+    assert isinstance(data, dict) and isinstance(data.get("error"), dict), got
+    error: dict[str, Any] = data["error"]
+    assert error.get("code") in KVGATE_CODES, f"not one of kvgate's answers: {data}"
+    if got["status"] == 400:
+        assert error.get("type") == "invalid_request_error", data
+    return error
+
+
+async def reserved_now(s: aiohttp.ClientSession, kvgate_url: str, model: str = TINY_MODEL
+                       ) -> dict[str, int]:
+    """Tokens reserved and leases held over the model's backends, as kvgate's
+    /admin/state and /metrics (`kvgate_resident_tokens`) show them. A lease is released
+    just after its answer's last byte: this waits (bounded) for nothing to be held, and
+    returns what is held when the bound is reached."""
+    held: dict[str, int] = {}
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        async with s.get(f"{kvgate_url}/admin/state") as resp:
+            views = (await resp.json())["models"][model]["backends"].values()
+        held = {"resident_tokens": sum(v["resident_tokens"] for v in views),
+                "leases": sum(v["leases"] for v in views)}
+        async with s.get(f"{kvgate_url}/metrics") as resp:
+            held["metric_resident_tokens"] = sum(
+                int(float(line.rsplit(" ", 1)[1])) for line in (await resp.text()).splitlines()
+                if line.startswith("kvgate_resident_tokens{"))
+        if not any(held.values()):
+            break
+        await asyncio.sleep(0.05)
+    return held
