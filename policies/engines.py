@@ -26,7 +26,8 @@ from enum import StrEnum
 
 __all__ = ["ENGINE_DEFAULTS", "ENGINE_TRAITS", "EngineKind", "EngineTraits", "OutputDefault",
            "PrefixSharing", "caches_prefixes", "counts_as_llama_cpp", "default_output_tokens",
-           "engine_kind", "requested_output", "unsafe_for_adaptive"]
+           "engine_kind", "max_tokens_within_context", "requested_output",
+           "unsafe_for_adaptive"]
 
 
 class EngineKind(StrEnum):
@@ -69,15 +70,21 @@ class EngineTraits:
     it, by default (vLLM v1's automatic prefix caching, SGLang's radix cache, TGI 3's
     prefix caching); llama.cpp's slots each keep their own cache. A running engine's
     own report (`vllm:cache_config_info`) can turn this off, never on.
+    `max_tokens_within_context`: the engine refuses a `max_tokens` above its context
+    whatever the prompt (vLLM 0.32: `400` "max_tokens=4096 cannot be greater than
+    max_model_len=1024"), though it serves prompt + max_tokens past the context's end
+    when max_tokens alone fits (tests/test_real_vllm_limits.py). llama.cpp serves any
+    max_tokens to the context's end.
     """
 
     preempts: bool
     output_fields: tuple[str, ...] = ()
     caches_prefixes: bool = True
+    max_tokens_within_context: bool = False
 
 
 ENGINE_TRAITS: dict[EngineKind, EngineTraits] = {
-    EngineKind.VLLM: EngineTraits(preempts=True),
+    EngineKind.VLLM: EngineTraits(preempts=True, max_tokens_within_context=True),
     EngineKind.SGLANG: EngineTraits(preempts=True),
     EngineKind.TGI: EngineTraits(preempts=True),
     EngineKind.LLAMA_CPP: EngineTraits(preempts=False, output_fields=("n_predict",),
@@ -91,6 +98,11 @@ class PrefixSharing(StrEnum):
 
     AUTO = "auto"
     OFF = "off"
+
+
+def max_tokens_within_context(kinds: Iterable[EngineKind]) -> list[EngineKind]:
+    """The engines among `kinds` that refuse a max_tokens above the context."""
+    return sorted({k for k in kinds if ENGINE_TRAITS[k].max_tokens_within_context})
 
 
 def caches_prefixes(kind: EngineKind) -> bool:

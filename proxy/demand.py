@@ -11,12 +11,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from policies.engines import EngineKind, default_output_tokens, requested_output
+from policies.engines import (
+    EngineKind,
+    default_output_tokens,
+    max_tokens_within_context,
+    requested_output,
+)
 from policies.output import decide_output
 from proxy.admission import Demand
 from proxy.capacity import cdiv
 from proxy.config import ModelConfig
-from proxy.errors import ContextLengthExceeded, MaxTokensRequired
+from proxy.errors import ContextLengthExceeded, InvalidRequest, MaxTokensRequired
 from proxy.reservation import ReservationTracker
 from proxy.validation import Endpoint, ValidRequest
 
@@ -47,6 +52,7 @@ class DemandRule:
         self.kinds = tuple(kinds)
         self.tracker = tracker  # None: strict, the whole prompt + max_tokens
         self.ledger_tokens = ledger_tokens
+        self._bounded_by = max_tokens_within_context(self.kinds)
 
     def of(self, req: ValidRequest, prompts: list[int], *, priority: str = "",
            tenant: str = "") -> tuple[Demand, int | None]:
@@ -58,6 +64,7 @@ class DemandRule:
         any of them, every prompt is forwarded with that cap, so every prompt reserves it
         and must fit the context with it.
         """
+        self.refuse_output_over_context(req)
         cfg = self.config
         # Several prompts in one call: one lease, several sequences; follow none of them.
         follow = not req.ignore_eos and len(prompts) == 1 and self.tracker is not None
@@ -103,6 +110,21 @@ class DemandRule:
                         n=req.n, priority=priority, tenant=tenant,
                         min_tokens=min(req.min_tokens, reserve_out), follow=follow)
         return demand, set_to
+
+    def refuse_output_over_context(self, req: ValidRequest) -> None:
+        """A max_tokens above the context, where an engine behind the model refuses it
+        whatever the prompt (vLLM): answered here, in kvgate's shape and before anything
+        is counted or reserved, rather than queued, reserved and relayed as the engine's
+        own 400."""
+        cap = self.config.max_model_len
+        if self._bounded_by and req.max_tokens is not None and req.max_tokens > cap:
+            engines = ", ".join(k.value for k in self._bounded_by)
+            raise InvalidRequest(
+                f"`{req.max_tokens_field}` {req.max_tokens} is more than model "
+                f"{self.config.name!r}'s context length {cap} tokens, and its {engines} "
+                f"backends refuse a max_tokens above the context whatever the prompt; "
+                f"ask for at most {cap} (a prompt + max_tokens past the context is served "
+                "to the context's end)", param=req.max_tokens_field)
 
     def least_tokens(self, req: ValidRequest) -> int:
         """What parsing alone proves the request holds, before any count: one token per

@@ -290,6 +290,7 @@ class Gate:
         one token and one output token per sequence, block-rounded, so a body of more
         prompts than the largest backend could hold that way is refused at once (a
         million one-word prompts costs seconds to count and can never be admitted)."""
+        self.demand_rule.refuse_output_over_context(req)
         prompts = 1 if req.chat is not None else len(req.prompts)
         least = self.demand_rule.least_tokens(req)
         largest = self.controller.max_capacity_tokens

@@ -101,6 +101,41 @@ def test_strict_reservation_reads_the_engines_own_length_field(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("kind", ["vllm", "llama.cpp"])
+def test_max_tokens_above_the_context_is_refused_only_where_the_engine_refuses_it(
+    kind: str,
+) -> None:
+    """vLLM refuses a max_tokens above max_model_len whatever the prompt
+    (tests/test_real_vllm_limits.py); kvgate answers that itself, in its shape, before
+    counting or reserving. llama.cpp serves it to the context's end: forwarded."""
+    bodies: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        async with _behind(kind, bodies) as stack, aiohttp.ClientSession() as s:
+            for max_tokens, field in ((8193, "max_tokens"), (9000, "max_completion_tokens")):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                        field: max_tokens}
+                async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                    answer = await resp.json()
+                    if kind == "vllm":
+                        assert resp.status == 400, answer
+                        assert answer["error"]["code"] == "invalid_request"
+                        assert answer["error"]["param"] == field
+                        assert "x-kvgate-reserved-tokens" not in resp.headers
+                    else:
+                        assert resp.status == 200, answer
+                        assert resp.headers["x-kvgate-reserved-tokens"] == "8192"
+            # max_tokens equal to the context passes everywhere (served to the end)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 8192}
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            assert stack.state.ledger.resident(stack.state.backends()[0].name) == 0
+        assert len(bodies) == (1 if kind == "vllm" else 3)
+
+    asyncio.run(scenario())
+
+
 def test_the_cap_rewrites_n_predict_too() -> None:
     bodies: list[dict[str, Any]] = []
 

@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash scripts/engines/setup.sh
 tests=(tests/test_real_llamacpp.py)
-[[ ",${KVGATE_ENGINES:-llama.cpp,vllm}," == *",vllm,"* ]] && tests+=(tests/test_real_vllm.py)
+[[ ",${KVGATE_ENGINES:-llama.cpp,vllm}," == *",vllm,"* ]] && tests+=(tests/test_real_vllm.py tests/test_real_vllm_limits.py tests/test_real_vllm_sharing.py)
 exec "${PYTHON:-.venv/bin/python}" -m pytest "${tests[@]}" "$@"
