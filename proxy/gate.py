@@ -70,8 +70,8 @@ _BOUND_MAX_INFLIGHT = 4
 
 # Outcomes of requests that were admitted or failed inside kvgate; every other outcome
 # is a rejection's error code.
-_ENDED = frozenset({Outcome.COMPLETED, Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECT,
-                    InternalError.code})
+_ENDED = frozenset({Outcome.COMPLETED, Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_REFUSED,
+                    Outcome.CLIENT_DISCONNECT, InternalError.code})
 
 
 class Gate:
@@ -147,6 +147,8 @@ class Gate:
                 self.metrics.first_byte(admitted.lease.backend.name, sent.first_byte_s)
             if sent.failed_mid_stream or sent.status >= 500:
                 outcome = Outcome.UPSTREAM_ERROR
+            elif sent.status >= 400:
+                outcome = Outcome.UPSTREAM_REFUSED
             return sent
         except KvgateError as exc:  # a rejection before the lease, or the upstream's failure
             outcome = exc.reason

@@ -28,6 +28,8 @@ class Outcome(StrEnum):
 
     COMPLETED = "completed"
     UPSTREAM_ERROR = "upstream_error"
+    # the engine answered 4xx itself (relayed unchanged): not a completion, not kvgate's
+    UPSTREAM_REFUSED = "upstream_refused"
     CLIENT_DISCONNECT = "client_disconnect"
     REJECTED = "rejected"
 

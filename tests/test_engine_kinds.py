@@ -136,6 +136,36 @@ def test_max_tokens_above_the_context_is_refused_only_where_the_engine_refuses_i
     asyncio.run(scenario())
 
 
+def test_an_engines_own_4xx_is_relayed_and_counted_as_refused_not_completed() -> None:
+    """An engine that refuses a request itself (a 4xx: a field kvgate does not check)
+    is relayed unchanged; its outcome is `upstream_refused`, and the lease is released."""
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"object": "error", "message": "no", "code": 400},
+                                 status=400)
+
+    async def scenario() -> None:
+        async with fake_backend(refuse) as url, \
+                running_stack(backends=0, extra_backend_urls=[url], kv_tokens=16384) as stack, \
+                aiohttp.ClientSession() as s:
+            async with asyncio.timeout(5):
+                while not stack.state.backends()[0].healthy:
+                    await asyncio.sleep(0.02)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 5}
+            async with s.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 400
+                assert await resp.json() == {"object": "error", "message": "no", "code": 400}
+            async with s.get(f"{stack.url}/metrics") as resp:
+                text = await resp.text()
+            assert ('kvgate_requests_total{model="qwen3-14b",outcome="upstream_refused"} 1.0'
+                    in text)
+            assert 'outcome="completed"' not in text
+            assert stack.state.ledger.resident(stack.state.backends()[0].name) == 0
+
+    asyncio.run(scenario())
+
+
 def test_the_cap_rewrites_n_predict_too() -> None:
     bodies: list[dict[str, Any]] = []
 
