@@ -415,19 +415,21 @@ def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0) -> Path:
+def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0,
+                  prefix_sharing: str | None = None) -> Path:
     tmp.mkdir(exist_ok=True)
     config = tmp / "kvgate.toml"
     server: dict[str, object] = {"listen": f"127.0.0.1:{port}"}
     if count_workers:  # written only when set: an older --baseline checkout lacks the key
         server["count_workers"] = count_workers
+    extra = {} if prefix_sharing is None else {"prefix_sharing": prefix_sharing}
     config.write_text(tomli_w.dumps({
         "server": server,
         "queue": {"max_depth": 4096},
         # The mode is written, not left to the default: both kvgates run the same mode.
         "models": [{"name": MODEL, "path": str(MODEL_DIR), "max_model_len": 40960,
                     "reservation": "adaptive", "deployment": {"kv_tokens": 100_000_000},
-                    "backends": [{"name": "mock", "url": upstream}]}],
+                    "backends": [{"name": "mock", "url": upstream}], **extra}],
     }))
     return config
 
@@ -452,6 +454,9 @@ def main() -> None:
                         help="also run kvgate from this checkout (e.g. `git archive` of main)")
     parser.add_argument("--count-workers", type=int, default=0, metavar="N",
                         help="kvgate (not --baseline) counts in N worker processes")
+    parser.add_argument("--prefix-sharing", choices=["auto", "off"],
+                        help="kvgate's (not --baseline's) prefix_sharing; default: the "
+                             "config's default (auto: block keys for every prompt)")
     parser.add_argument("--repeat", type=int, default=1, metavar="K",
                         help="run every cell K times; print each run, then the medians")
     parser.add_argument("--profile", type=Path,
@@ -476,7 +481,7 @@ def main() -> None:
                      urls["direct"]], floor_port, "floor") as floor, \
             process(["-m", "proxy", "serve", "--config",
                      str(kvgate_config(Path(tmp), kv_port, urls["direct"],
-                                       args.count_workers))], kv_port,
+                                       args.count_workers, args.prefix_sharing))], kv_port,
                     "kvgate", env=kvgate_env) as kv:
         pids: dict[str, int | None] = {"direct": mock.pid, "floor": floor.pid, "kvgate": kv.pid}
         baseline = contextlib.ExitStack()
