@@ -218,6 +218,11 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(VOCAB) for _ in range(n))
 
 
+# Fields every body carries (`--engine llama.cpp` sets llama-server's: greedy, no
+# prompt-cache reuse, so each request is prefilled and runs its whole max_tokens).
+EXTRA_BODY: dict[str, Any] = {}
+
+
 def bodies(workload: str, count: int, *, stream: bool, max_tokens: int,
            seed: int) -> list[bytes]:
     """Request bodies; `unique`: ~1,000 fresh tokens each; `shared`: one system prompt."""
@@ -231,7 +236,8 @@ def bodies(workload: str, count: int, *, stream: bool, max_tokens: int,
             messages = [{"role": "system", "content": system},
                         {"role": "user", "content": f"request {seed}-{i}: {words(rng, 40)}"}]
         out.append(json.dumps({"model": MODEL, "messages": messages,
-                               "max_tokens": max_tokens, "stream": stream}).encode())
+                               "max_tokens": max_tokens, "stream": stream,
+                               **EXTRA_BODY}).encode())
     return out
 
 
@@ -416,22 +422,54 @@ def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0,
-                  prefix_sharing: str | None = None) -> Path:
+                  prefix_sharing: str | None = None, llama_slots: int = 0) -> Path:
     tmp.mkdir(exist_ok=True)
     config = tmp / "kvgate.toml"
     server: dict[str, object] = {"listen": f"127.0.0.1:{port}"}
     if count_workers:  # written only when set: an older --baseline checkout lacks the key
         server["count_workers"] = count_workers
-    extra = {} if prefix_sharing is None else {"prefix_sharing": prefix_sharing}
+    extra: dict[str, Any] = {} if prefix_sharing is None else {"prefix_sharing": prefix_sharing}
+    backend: dict[str, Any] = {"name": "mock", "url": upstream}
+    model: dict[str, Any] = {"max_model_len": 40960, "reservation": "adaptive",
+                             "deployment": {"kv_tokens": 100_000_000}}
+    if llama_slots:  # one llama-server: strict (adaptive is refused there), its slots
+        backend = {"name": "llama", "url": upstream, "kind": "llama.cpp",
+                   "slots": llama_slots}
+        model = {"max_model_len": LLAMA_CTX, "reservation": "strict",
+                 "deployment": {"kv_tokens": LLAMA_CTX, "block_size": 1},
+                 "prefix_sharing": "off"}
     config.write_text(tomli_w.dumps({
         "server": server,
         "queue": {"max_depth": 4096},
         # The mode is written, not left to the default: both kvgates run the same mode.
-        "models": [{"name": MODEL, "path": str(MODEL_DIR), "max_model_len": 40960,
-                    "reservation": "adaptive", "deployment": {"kv_tokens": 100_000_000},
-                    "backends": [{"name": "mock", "url": upstream}], **extra}],
+        "models": [{"name": MODEL, "path": str(MODEL_DIR), **model,
+                    "backends": [backend], **extra}],
     }))
     return config
+
+
+LLAMA_CTX, LLAMA_SLOTS = 8192, 4  # --engine llama.cpp: ~1,100-token requests, 4 at once
+
+
+@contextlib.contextmanager
+def direct_target(args: argparse.Namespace, me: list[str], port: int, tmp: Path,
+                  urls: dict[str, str]) -> Iterator[Any]:
+    """What `direct` is: the mock on `port`, or (`--engine llama.cpp`) a llama-server
+    on a port of its own; `urls["direct"]` is set to it. Yields what has a `.pid`."""
+    if not args.engine:
+        with process([*me, "--role", "mock", "--port", str(port)], port, "mock") as mock:
+            yield mock
+        return
+    from benchmarks.suite.llamacpp import LLAMA_BODY
+    from tests.support.engines import start_llama_server
+
+    EXTRA_BODY.update({k: v for k, v in LLAMA_BODY.items() if k != "model"})
+    engine = start_llama_server(tmp, ctx_size=LLAMA_CTX, parallel=LLAMA_SLOTS)
+    urls["direct"] = engine.url
+    try:
+        yield engine.proc
+    finally:
+        engine.stop()
 
 
 def main() -> None:
@@ -457,6 +495,10 @@ def main() -> None:
     parser.add_argument("--prefix-sharing", choices=["auto", "off"],
                         help="kvgate's (not --baseline's) prefix_sharing; default: the "
                              "config's default (auto: block keys for every prompt)")
+    parser.add_argument("--engine", choices=["llama.cpp"],
+                        help="`direct` is a real engine instead of the mock: one llama-server "
+                             "(the tiny Qwen3, 4 slots, one unified pool), kvgate in front "
+                             "with kind llama.cpp, strict; not with --baseline")
     parser.add_argument("--repeat", type=int, default=1, metavar="K",
                         help="run every cell K times; print each run, then the medians")
     parser.add_argument("--profile", type=Path,
@@ -465,6 +507,8 @@ def main() -> None:
     if args.role:
         serve_role(args.role, args.port, args.upstream)
         return
+    if args.engine and args.baseline:
+        parser.error("--engine runs without --baseline")
     mock_port, floor_port, kv_port, base_port = free_port(), free_port(), free_port(), free_port()
     urls = {t: f"http://127.0.0.1:{p}" for t, p in
             (("direct", mock_port), ("floor", floor_port), ("kvgate", kv_port))}
@@ -475,13 +519,13 @@ def main() -> None:
     me = ["-m", "benchmarks.bench_peers"]
     kvgate_env = dict(item.split("=", 1) for item in args.kvgate_env)
     with tempfile.TemporaryDirectory() as tmp, \
-            process([*me, "--role", "mock", "--port", str(mock_port)], mock_port,
-                    "mock") as mock, \
+            direct_target(args, me, mock_port, Path(tmp), urls) as mock, \
             process([*me, "--role", "floor", "--port", str(floor_port), "--upstream",
                      urls["direct"]], floor_port, "floor") as floor, \
             process(["-m", "proxy", "serve", "--config",
                      str(kvgate_config(Path(tmp), kv_port, urls["direct"],
-                                       args.count_workers, args.prefix_sharing))], kv_port,
+                                       args.count_workers, args.prefix_sharing,
+                                       LLAMA_SLOTS if args.engine else 0))], kv_port,
                     "kvgate", env=kvgate_env) as kv:
         pids: dict[str, int | None] = {"direct": mock.pid, "floor": floor.pid, "kvgate": kv.pid}
         baseline = contextlib.ExitStack()

@@ -163,3 +163,18 @@ def test_client_ends_each_answer_and_no_body_carries_its_length() -> None:
     assert outcome_split({"500": 2, STREAM_ERROR: 1, ENDED_EARLY: 1,
                           "client_error:ServerDisconnectedError": 1, "queue_timeout": 3,
                           "abandoned": 1, "cut_at_benchmark_end": 2}) == (5, 3, 3)
+
+
+def test_bench_peers_config_in_front_of_llama_server(tmp_path: Path) -> None:
+    """`bench_peers --engine llama.cpp`: kvgate in front of one llama-server is a valid
+    config (kind llama.cpp, its slots, strict: adaptive is refused there) sized to it."""
+    from benchmarks.bench_peers import LLAMA_CTX, LLAMA_SLOTS, kvgate_config
+    from proxy.config import load_config
+
+    config = load_config(kvgate_config(tmp_path, 9, "http://127.0.0.1:1",
+                                       llama_slots=LLAMA_SLOTS))
+    model = config.models[0]
+    assert model.backends[0].kind.value == "llama.cpp"
+    assert model.backends[0].slots == LLAMA_SLOTS
+    assert model.reservation.value == "strict"
+    assert model.capacity_tokens == model.max_model_len == LLAMA_CTX
