@@ -123,14 +123,16 @@ def mock_app() -> web.Application:
     return app
 
 
-def floor_app(upstream: str) -> web.Application:
-    """A pass-through proxy with nothing in it: read, forward, stream back."""
+def floor_app(upstream: str, close: bool = False) -> web.Application:
+    """A pass-through proxy with nothing in it: read, forward, stream back. `close`: a
+    fresh upstream connection per request (llama-server closes its connection after
+    every streamed answer; a reused one fails)."""
     session_key = web.AppKey("session", aiohttp.ClientSession)
     hop = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
     async def ctx(app: web.Application) -> Any:
         app[session_key] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, force_close=close),
             timeout=aiohttp.ClientTimeout(total=None))
         yield
         await app[session_key].close()
@@ -155,8 +157,8 @@ def floor_app(upstream: str) -> web.Application:
     return app
 
 
-def serve_role(role: str, port: int, upstream: str) -> None:
-    app = mock_app() if role == "mock" else floor_app(upstream)
+def serve_role(role: str, port: int, upstream: str, close: bool = False) -> None:
+    app = mock_app() if role == "mock" else floor_app(upstream, close)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=new_loop())
 
 
@@ -300,7 +302,9 @@ async def run_all(urls: dict[str, str], pids: dict[str, int | None],
                   args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     seed = 1
-    connector = aiohttp.TCPConnector(limit=0)
+    # against a real engine every target gets a fresh connection per request: the
+    # engine closes its own after each streamed answer, and so `direct` must
+    connector = aiohttp.TCPConnector(limit=0, force_close=args.engine is not None)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=60)) as session:
         for workload in args.workloads:
@@ -477,6 +481,7 @@ def main() -> None:
     parser.add_argument("--role", choices=["mock", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--upstream-close", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=int, default=600,
                         help="requests per target per cell (a quarter at concurrency 1)")
     parser.add_argument("--rounds", type=int, default=2)
@@ -505,7 +510,7 @@ def main() -> None:
                         help="record kvgate with py-spy into this file (svg, or .txt: raw)")
     args = parser.parse_args()
     if args.role:
-        serve_role(args.role, args.port, args.upstream)
+        serve_role(args.role, args.port, args.upstream, args.upstream_close)
         return
     if args.engine and args.baseline:
         parser.error("--engine runs without --baseline")
@@ -521,7 +526,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, \
             direct_target(args, me, mock_port, Path(tmp), urls) as mock, \
             process([*me, "--role", "floor", "--port", str(floor_port), "--upstream",
-                     urls["direct"]], floor_port, "floor") as floor, \
+                     urls["direct"], *(["--upstream-close"] if args.engine else [])],
+                    floor_port, "floor") as floor, \
             process(["-m", "proxy", "serve", "--config",
                      str(kvgate_config(Path(tmp), kv_port, urls["direct"],
                                        args.count_workers, args.prefix_sharing,
