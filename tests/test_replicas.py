@@ -281,3 +281,87 @@ def test_three_adaptive_replicas_under_3x_overload_keep_preemptions_rare(
     finally:
         for p in procs:
             p.kill()
+
+
+GROUP_RULES = [" ".join(f"Group {g} rule {i}: answer briefly, cite the rule, stay on topic."
+                        for i in range(60)) for g in range(4)]
+
+
+def test_three_replicas_share_prefixes_under_3x_overload_and_end_at_zero(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Four groups of chats, each a ~1,000-token system prompt of its own and a short
+    question, from three adaptive replicas on one Redis to two engines that cache
+    prefixes, in waves of ~3x what the pools hold with each group's prompt held once:
+    shared blocks are charged once across the replicas (answers report the hits), the
+    engines barely preempt, and at the end every lease, every block reference and
+    every ready mark in Redis is gone and the resident counters read zero."""
+    kv_tokens = 8192
+    r = redis.Redis.from_url(redis_server.url)
+    procs: list[Proc] = []
+    try:
+        sims = [start_sim(tmp_path, kv_tokens=kv_tokens, decode_step_ms=5.0, name=f"sim{i}",
+                          output_len="lognormal") for i in range(2)]
+        proxies = [start_proxy(tmp_path, name=f"proxy{i}", redis_url=redis_server.url,
+                               sims=sims, kv_tokens=kv_tokens, ttl_s=5.0,
+                               queue={"max_depth": 128}, reservation="adaptive")
+                   for i in range(3)]
+        procs = [*sims, *proxies]
+        for p in procs:
+            p.wait_ready()
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                await wait_ready(s, proxies)
+                admitted: list[int] = []
+                shared: list[int] = []
+                statuses: list[int] = []
+
+                async def one(i: int) -> None:
+                    request = {"model": "qwen3-14b", "max_tokens": 300, "stream": True,
+                               "messages": [
+                                   {"role": "system", "content": GROUP_RULES[i % 4]},
+                                   {"role": "user", "content": f"Question {i}: which rule?"}]}
+                    async with s.post(f"{proxies[i % 3].url}/v1/chat/completions",
+                                      json=request) as resp:
+                        await resp.read()
+                        statuses.append(resp.status)
+                        if resp.status == 200:
+                            admitted.append(int(resp.headers["x-kvgate-reserved-tokens"]))
+                            shared.append(int(resp.headers.get(
+                                "x-kvgate-shared-prefix-tokens", "0")))
+
+                # ~1,000 shared + ~40 own prompt tokens and ~64 output each: with the
+                # group prompts held once, the two pools hold ~60; waves of 180
+                async with asyncio.timeout(150):
+                    for wave in range(3):
+                        await asyncio.gather(*(one(wave * 180 + i) for i in range(180)))
+                preemptions = 0
+                hits = 0
+                for sim in sims:
+                    st = await sim_state(s, sim)
+                    preemptions += st["preemptions"]
+                    assert st["peak_blocks_used"] <= st["num_blocks"]
+                assert set(statuses) <= {200, 429}
+                assert len(admitted) >= 100
+                hits = sum(1 for x in shared if x >= 900)
+                assert hits >= len(admitted) // 2, (hits, len(admitted))  # charged once
+                assert preemptions <= len(admitted) // 100, (preemptions, len(admitted))
+                async with asyncio.timeout(10):
+                    while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
+                        await asyncio.sleep(0.05)
+                for b in BACKENDS:
+                    assert r.hlen(f"kvgate-test:{{{b}}}:refs") == 0, b
+                    assert r.scard(f"kvgate-test:{{{b}}}:ready") == 0, b
+                await gauges_read_zero(s, proxies)
+                for p in proxies:
+                    async with s.get(f"{p.url}/admin/state") as resp:
+                        state = await resp.json()
+                    for backend in state["models"]["qwen3-14b"]["backends"].values():
+                        assert backend["leases"] == 0
+                        assert backend["inflight"] == 0
+
+        asyncio.run(scenario())
+    finally:
+        for p in procs:
+            p.kill()
