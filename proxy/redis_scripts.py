@@ -80,6 +80,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # The truth is the lease hash: the counter is recomputed from it wherever it is missing,
 # so a counter lost on its own (an eviction) never reads as zero.
 _SUM = """
+-- keys per HMGET/HSET/SADD call: unpack() puts them on Lua's C stack (8,000 slots)
+local CHUNK = 2000
 local function lease_sum()
   local all = redis.call('HGETALL', KEYS[2])
   local sum, n = 0, 0
@@ -110,12 +112,27 @@ local function drop(id)
   if list then
     local bar = string.find(list, '|', 1, true)
     local bt = tonumber(string.sub(list, 1, bar - 1))
-    for i = bar + 1, #list, 16 do
-      local k = string.sub(list, i, i + 15)
-      if redis.call('HINCRBY', KEYS[4], k, -1) <= 0 then
-        redis.call('HDEL', KEYS[4], k)
-        redis.call('SREM', KEYS[5], k)
-        freed = freed + bt
+    local keys = {}
+    for i = bar + 1, #list, 16 do keys[#keys + 1] = string.sub(list, i, i + 15) end
+    -- a lease's keys are distinct: one read and one write of their counts per chunk
+    for c = 1, #keys, CHUNK do
+      local part = {unpack(keys, c, math.min(c + CHUNK - 1, #keys))}
+      local held = redis.call('HMGET', KEYS[4], unpack(part))
+      local keep, gone = {}, {}
+      for j, k in ipairs(part) do
+        local n = tonumber(held[j] or '0') - 1
+        if n > 0 then
+          keep[#keep + 1] = k
+          keep[#keep + 1] = n
+        else
+          gone[#gone + 1] = k
+        end
+      end
+      if #keep > 0 then redis.call('HSET', KEYS[4], unpack(keep)) end
+      if #gone > 0 then
+        redis.call('HDEL', KEYS[4], unpack(gone))
+        redis.call('SREM', KEYS[5], unpack(gone))
+        freed = freed + bt * #gone
       end
     end
     redis.call('HDEL', KEYS[2], '#' .. id)
@@ -217,16 +234,30 @@ if recorded then
 end
 local tokens = tonumber(ARGV[2])
 local bt, ks = tonumber(ARGV[8]), ARGV[9]
-local refs, seen, joined, distinct = {}, {}, 0, 0
+local uniq, seen = {}, {}
 for i = 1, #ks, 16 do
   local k = string.sub(ks, i, i + 15)
   if not seen[k] then
     seen[k] = true
-    distinct = distinct + 1
-    if not redis.call('HGET', KEYS[4], k) then
+    uniq[#uniq + 1] = k
+  end
+end
+local distinct = #uniq
+-- referenced: a key nobody holds (count 1) or one held and ready (count + 1); a key
+-- held but not ready is paid in full and not referenced. One HMGET and one
+-- SMISMEMBER per chunk of keys, not a call per key.
+local refs, counts, joined = {}, {}, 0
+for c = 1, distinct, CHUNK do
+  local part = {unpack(uniq, c, math.min(c + CHUNK - 1, distinct))}
+  local held = redis.call('HMGET', KEYS[4], unpack(part))
+  local ready = redis.call('SMISMEMBER', KEYS[5], unpack(part))
+  for j, k in ipairs(part) do
+    if not held[j] then
       refs[#refs + 1] = k
-    elseif redis.call('SISMEMBER', KEYS[5], k) == 1 then
+      counts[#refs] = 1
+    elseif ready[j] == 1 then
       refs[#refs + 1] = k
+      counts[#refs] = tonumber(held[j]) + 1
       joined = joined + 1
     end
   end
@@ -237,7 +268,14 @@ redis.call('INCRBY', KEYS[1], adds)
 redis.call('HSET', KEYS[2], ARGV[1], tokens - bt * #refs)
 if #refs > 0 then
   redis.call('HSET', KEYS[2], '#' .. ARGV[1], ARGV[8] .. '|' .. table.concat(refs), '=bt', bt)
-  for _, k in ipairs(refs) do redis.call('HINCRBY', KEYS[4], k, 1) end
+  for c = 1, #refs, CHUNK do
+    local pairs_ = {}
+    for j = c, math.min(c + CHUNK - 1, #refs) do
+      pairs_[#pairs_ + 1] = refs[j]
+      pairs_[#pairs_ + 1] = counts[j]
+    end
+    redis.call('HSET', KEYS[4], unpack(pairs_))
+  end
 end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[1])
 -- the keys it references, where that is not every distinct key it brought
@@ -281,9 +319,11 @@ READY_LUA = """
 local list = redis.call('HGET', KEYS[2], '#' .. ARGV[1])
 if not list then return 0 end
 local bar = string.find(list, '|', 1, true)
+local keys = {}
+for i = bar + 1, #list, 16 do keys[#keys + 1] = string.sub(list, i, i + 15) end
 local n = 0
-for i = bar + 1, #list, 16 do
-  n = n + redis.call('SADD', KEYS[5], string.sub(list, i, i + 15))
+for c = 1, #keys, 2000 do
+  n = n + redis.call('SADD', KEYS[5], unpack(keys, c, math.min(c + 1999, #keys)))
 end
 return n
 """
