@@ -1,0 +1,252 @@
+"""The lane of large bodies: a bounded share of the process's CPU, taken by turns.
+
+Parsing, checking, rendering and counting a request are CPU work in this process, and
+most of it holds the GIL (C code, or Python in 5 ms slices): while it runs, the event
+loop, and with it every other client's small requests, waits. One client sending
+4 MB bodies as fast as kvgate answers kept busy a thread that way all the time, and
+small chats beside it lost up to four fifths of their throughput.
+
+So the work of a request whose body is large (`LARGE_BODY_BYTES` or more: the server
+marks it in `large_body`) runs in this lane: one job at a time, in a pool thread, each
+job charged the CPU time its thread spent (`time.thread_time`) against a budget that
+refills at `SHARE` CPU-seconds per second, up to `BURST_S`. A job starts only while
+the budget is not in debt; so, however fast large bodies arrive, their work takes no
+more than about `SHARE` of one core over any stretch longer than the burst, and the
+rest of the process keeps the remainder. What waits is the large bodies' own answers
+(and their bytes, in the body budget, which bounds how many may wait). Jobs waiting
+for the lane take turns by tenant, as in the count pool (`proxy.tokenize.fair_pool`),
+so one client's large bodies do not queue another's behind them.
+
+A body under the limit never waits here: small requests are not slowed to make room.
+And the budget binds only while there are small requests to protect: one in flight,
+or one ended less than `QUIET_S` ago (the server marks them, `CpuLane.small`). With
+none, a job starts in its turn whatever the budget, and its debt is forgiven: a
+client sending large bodies alone is not slowed for no one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+__all__ = ["BURST_S", "LARGE_BODY_BYTES", "QUIET_S", "SHARE", "CpuLane", "cpu_lane", "large_body",
+           "run_in_lane"]
+
+T = TypeVar("T")
+
+LARGE_BODY_BYTES = 256 * 1024
+"""A body this large is parsed in a thread, and all its CPU work runs in the lane."""
+SHARE = 0.1
+"""CPU-seconds the lane may spend per second, over time (of one core)."""
+BURST_S = 0.25
+"""CPU-seconds it may spend at once after a quiet while (a lone large request)."""
+
+SWITCH_INTERVAL_S = 0.001
+"""The interpreter's thread switch interval from the first request (`_settle_process`)."""
+QUIET_S = 0.25
+"""Seconds after the last small request ends during which the budget still binds."""
+
+# Set by the server for the request (its task) whose body is large.
+large_body: ContextVar[bool] = ContextVar("kvgate_large_body", default=False)
+
+
+class _Abandoned(Exception):
+    """A job whose awaiter left before it started: it never runs."""
+
+
+@dataclass
+class _Job:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    started: bool = False
+    abandoned: bool = False
+
+
+class CpuLane:
+    """`await lane.run(tenant, call, fn, *args)`: `fn(*args)` in its turn and within the
+    budget, where `call(job)` runs the no-argument `job` in a thread."""
+
+    def __init__(self, share: float = SHARE, burst_s: float = BURST_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.share = share
+        self.burst_s = burst_s
+        self._clock = clock
+        self._balance = burst_s
+        self._at = clock()
+        self._busy = False
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        self._turns: deque[str] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self.spent_s = 0.0  # CPU-seconds charged, all told
+        self.jobs = 0
+        self.waited = 0  # jobs that did not start at once
+        self.small_inflight = 0
+        self._small_ended = -float("inf")
+
+    @contextlib.contextmanager
+    def small(self) -> Iterator[None]:
+        """A small request in flight: the budget binds while one is."""
+        self.small_inflight += 1
+        try:
+            yield
+        finally:
+            self.small_inflight -= 1
+            self._small_ended = self._clock()
+
+    def _protecting(self) -> bool:
+        return (self.small_inflight > 0
+                or self._clock() - self._small_ended < QUIET_S)
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    async def run(self, tenant: str, call: Callable[[Callable[[], T]], Awaitable[T]],
+                  fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        await self._acquire(tenant, loop)
+        job = _Job()
+
+        def timed() -> T:
+            with job.lock:
+                if job.abandoned:
+                    raise _Abandoned
+                job.started = True
+            t0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                spent = time.thread_time() - t0
+                with contextlib.suppress(RuntimeError):  # a closed loop: no lane to free
+                    loop.call_soon_threadsafe(self._release, spent)
+
+        try:
+            return await call(timed)
+        finally:
+            with job.lock:
+                if not job.started:  # it never ran (cancelled first): nothing to charge
+                    job.abandoned = True
+                    self._release(0.0)
+
+    async def _acquire(self, tenant: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.jobs += 1
+        if not self._busy and not self._turns and self._may_start():
+            self._busy = True
+            return
+        self.waited += 1
+        turn: asyncio.Future[None] = loop.create_future()
+        queue = self._waiting.get(tenant)
+        if queue is None:
+            queue = self._waiting[tenant] = deque()
+            self._turns.append(tenant)
+        queue.append(turn)
+        self._next(loop)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._release(0.0)  # granted, then cancelled: pass the lane on
+            raise
+
+    def _may_start(self) -> bool:
+        if self._refilled() >= 0:
+            return True
+        if self._protecting():
+            return False
+        self._balance = 0.0  # no one to protect: the debt is forgiven
+        return True
+
+    def _refilled(self) -> float:
+        now = self._clock()
+        self._balance = min(self.burst_s, self._balance + (now - self._at) * self.share)
+        self._at = now
+        return self._balance
+
+    def _release(self, spent_s: float) -> None:
+        self._balance -= spent_s
+        self.spent_s += spent_s
+        self._busy = False
+        self._next(asyncio.get_running_loop())
+
+    def _next(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The lane is free: the next tenant in turn gets it for its oldest job, at once
+        or once the budget is out of debt."""
+        if self._busy or self._timer is not None:
+            return
+        while self._turns:
+            if not self._may_start():
+                wait_s = min(-self._balance / self.share, QUIET_S)
+                self._timer = loop.call_later(wait_s, self._wake, loop)
+                return
+            tenant = self._turns.popleft()
+            queue = self._waiting[tenant]
+            while queue and queue[0].done():  # cancelled while waiting
+                queue.popleft()
+            granted = False
+            if queue:
+                self._busy = granted = True
+                queue.popleft().set_result(None)
+            while queue and queue[0].done():
+                queue.popleft()
+            if queue:
+                self._turns.append(tenant)
+            else:
+                del self._waiting[tenant]
+            if granted:
+                return
+
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        self._next(loop)
+
+
+_LANES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CpuLane] = (
+    weakref.WeakKeyDictionary())
+
+
+async def run_in_lane(tenant: str, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in the lane, in a thread of the loop's default executor."""
+    loop = asyncio.get_running_loop()
+    return await cpu_lane().run(tenant, lambda job: loop.run_in_executor(None, job),
+                                fn, *args)
+
+
+def cpu_lane() -> CpuLane:
+    """This event loop's lane (one per loop: its futures and timers belong to it)."""
+    loop = asyncio.get_running_loop()
+    lane = _LANES.get(loop)
+    if lane is None:
+        lane = _LANES[loop] = CpuLane()
+        _settle_process()
+    return lane
+
+
+def _settle_process() -> None:
+    """Once per process, at its first request (a lane is made for the loop then):
+
+    - leave what the process holds now (tokenizers, templates, config: a started
+      proxy's heap) out of the cyclic GC's full collections (`gc.freeze`). A full
+      collection walks every tracked object holding the GIL: 26 ms for that heap
+      alone, and a large body's parse, checks and render allocate enough to start one
+      every body or two. Frozen objects are still freed when their last reference
+      goes; only a reference cycle among them is never collected, and what lives from
+      startup to the first request barely holds any;
+    - a thread switch interval of `SWITCH_INTERVAL_S`: a thread in Python code hands
+      the GIL on only that often (5 ms by default), and the event loop, woken several
+      times in one small request, waited up to that each time behind a lane job."""
+    global _FROZEN
+    if not _FROZEN:
+        _FROZEN = True
+        gc.freeze()
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+
+
+_FROZEN = False
