@@ -106,13 +106,19 @@ class _Slicer:
         to past its closing bracket: in runs while members are small, else one by one
         (`one(i, depth)` -> (member, end)). -> (runs and members in order, end)."""
         text, out, size = self.text, [], 0.0
+        # After a failed run, members one by one for a stretch that doubles with each
+        # failure in a row: members whose own commas fill every window's end (runs
+        # never scan whole) cost a few failed windows, not one per member.
+        retry_at, stretch = i, WINDOW // 4
         while True:
-            if size < _RUN_MEMBER_CHARS:
+            if size < _RUN_MEMBER_CHARS and i >= retry_at:
                 got = self.run(i, brackets)
                 if got is not None:
                     out.append(got[0])
                     i = self.ws(got[1])
+                    stretch = WINDOW // 4
                     continue
+                retry_at, stretch = i + stretch, stretch * 2
             start = i
             member, i = one(i, depth)
             out.append(member)

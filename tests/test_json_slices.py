@@ -149,3 +149,23 @@ def test_the_benchmarks_worst_bodies_parse_the_same_in_short_calls(kind: str) ->
     endpoint = Endpoint.COMPLETIONS if kind == "many-prompts" else Endpoint.CHAT
     assert parse_body(raw) == json.loads(text)
     assert validate(raw, endpoint).body == json.loads(text)
+
+
+def test_members_whose_commas_end_every_window_parse_the_same_with_few_failed_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small members full of their own commas: a window's last commas fall inside a
+    member, so runs fail; after each failure members go one by one for a stretch that
+    doubles, so the failed runs stay few (a handful per doubling), not one per member."""
+    member = "[" + ",".join(["1"] * 50) + "]"
+    text = '{"model": "m", "x": [' + ",".join([member] * 20_000) + "]}"
+    runs: list[bool] = []
+    original = json_slices._Slicer.run
+
+    def counted(self: Any, i: int, brackets: str) -> tuple[Any, int] | None:
+        got = original(self, i, brackets)
+        runs.append(got is not None)
+        return got
+
+    monkeypatch.setattr(json_slices._Slicer, "run", counted)
+    assert loads_sliced(text, _decoder(), max_depth=MAX_JSON_DEPTH) == json.loads(text)
+    assert runs.count(False) <= 40 < 20_000
