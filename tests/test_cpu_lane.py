@@ -61,8 +61,9 @@ def test_a_job_in_debt_makes_the_next_wait_and_is_charged_its_cpu() -> None:
     assert not lane._busy and lane.waiting() == 0
 
 
-def test_waiting_jobs_take_turns_by_tenant() -> None:
-    """Tenant x queues two jobs behind a running one, then y one: y's comes second."""
+def test_tenants_of_equal_use_take_turns() -> None:
+    """Behind z's running job, x queues two jobs, then y one: neither has used any CPU,
+    so x's first (the longest waiting) goes first, then y's, then x's second."""
     async def scenario() -> list[str]:
         lane = CpuLane(share=1.0, burst_s=10.0)
         order: list[str] = []
@@ -75,7 +76,7 @@ def test_waiting_jobs_take_turns_by_tenant() -> None:
             await lane.run(tenant, in_thread, order.append, name)
 
         async with asyncio.timeout(30):
-            running = asyncio.ensure_future(lane.run("x", in_thread, first))
+            running = asyncio.ensure_future(lane.run("z", in_thread, first))
             await asyncio.sleep(0.05)
             waiting = [asyncio.ensure_future(job("x", "x1")),
                        asyncio.ensure_future(job("x", "x2"))]
@@ -88,6 +89,36 @@ def test_waiting_jobs_take_turns_by_tenant() -> None:
         return order
 
     assert asyncio.run(scenario()) == ["x1", "y1", "x2"]
+
+
+def test_the_tenant_that_used_the_least_cpu_goes_first() -> None:
+    """x's jobs cost 20 ms of CPU each, y's next to nothing: once x's first has run,
+    all of y's go before x's next (plain turns would alternate x2, y1, x3, y2, ...)."""
+    async def scenario() -> list[str]:
+        lane = CpuLane(share=1000.0, burst_s=10.0)  # no debt to wait for: order only
+        order: list[str] = []
+        gate = threading.Event()
+
+        def heavy(name: str) -> None:
+            gate.wait(30)
+            spin(0.02)
+            order.append(name)
+
+        async with asyncio.timeout(30):
+            jobs = [asyncio.ensure_future(lane.run("x", in_thread, heavy, "x1"))]
+            await asyncio.sleep(0.05)
+            jobs += [asyncio.ensure_future(lane.run("x", in_thread, heavy, name))
+                     for name in ("x2", "x3")]
+            await asyncio.sleep(0)
+            jobs += [asyncio.ensure_future(lane.run("y", in_thread, order.append, name))
+                     for name in ("y1", "y2", "y3")]
+            await asyncio.sleep(0.05)
+            gate.set()
+            await asyncio.gather(*jobs)
+        assert lane._used == {} and lane.waiting() == 0  # idle: the tally starts again
+        return order
+
+    assert asyncio.run(scenario()) == ["x1", "y1", "y2", "y3", "x2", "x3"]
 
 
 def test_cancelled_jobs_free_the_lane_and_a_running_one_holds_it_to_its_end() -> None:

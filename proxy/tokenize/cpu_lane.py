@@ -13,9 +13,11 @@ refills at `SHARE` CPU-seconds per second, up to `BURST_S`. A job starts only wh
 the budget is not in debt; so, however fast large bodies arrive, their work takes no
 more than about `SHARE` of one core over any stretch longer than the burst, and the
 rest of the process keeps the remainder. What waits is the large bodies' own answers
-(and their bytes, in the body budget, which bounds how many may wait). Jobs waiting
-for the lane take turns by tenant, as in the count pool (`proxy.tokenize.fair_pool`),
-so one client's large bodies do not queue another's behind them.
+(and their bytes, in the body budget, which bounds how many may wait). Of the tenants
+waiting, the one whose jobs used the least CPU goes next (a tenant that starts to wait
+counts from the least of those already waiting or running, so no credit is banked
+while away): a client whose bodies cost 150 ms each gets no more of the lane than one
+whose cost 5 ms, rather than 30 times as much by plain turns.
 
 A body under the limit never waits here: small requests are not slowed to make room.
 And the budget binds only while there are small requests to protect: one in flight,
@@ -84,7 +86,9 @@ class CpuLane:
         self._at = clock()
         self._busy = False
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
-        self._turns: deque[str] = deque()
+        self._turns: deque[str] = deque()  # tenants waiting, oldest first
+        self._used: dict[str, float] = {}  # CPU-s charged per tenant while the lane is busy
+        self._running = ""
         self._timer: asyncio.TimerHandle | None = None
         self.spent_s = 0.0  # CPU-seconds charged, all told
         self.jobs = 0
@@ -126,7 +130,7 @@ class CpuLane:
             finally:
                 spent = time.thread_time() - t0
                 with contextlib.suppress(RuntimeError):  # a closed loop: no lane to free
-                    loop.call_soon_threadsafe(self._release, spent)
+                    loop.call_soon_threadsafe(self._release, spent, tenant)
 
         try:
             return await call(timed)
@@ -134,18 +138,22 @@ class CpuLane:
             with job.lock:
                 if not job.started:  # it never ran (cancelled first): nothing to charge
                     job.abandoned = True
-                    self._release(0.0)
+                    self._release(0.0, tenant)
 
     async def _acquire(self, tenant: str, loop: asyncio.AbstractEventLoop) -> None:
         self.jobs += 1
         if not self._busy and not self._turns and self._may_start():
-            self._busy = True
+            self._grant(tenant)
             return
         self.waited += 1
         turn: asyncio.Future[None] = loop.create_future()
         queue = self._waiting.get(tenant)
         if queue is None:
             queue = self._waiting[tenant] = deque()
+            active = [self._used.get(t, 0.0) for t in self._turns]
+            if self._busy:
+                active.append(self._used.get(self._running, 0.0))
+            self._used[tenant] = max(self._used.get(tenant, 0.0), min(active, default=0.0))
             self._turns.append(tenant)
         queue.append(turn)
         self._next(loop)
@@ -153,7 +161,7 @@ class CpuLane:
             await turn
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
-                self._release(0.0)  # granted, then cancelled: pass the lane on
+                self._release(0.0, tenant)  # granted, then cancelled: pass the lane on
             raise
 
     def _may_start(self) -> bool:
@@ -170,15 +178,23 @@ class CpuLane:
         self._at = now
         return self._balance
 
-    def _release(self, spent_s: float) -> None:
+    def _grant(self, tenant: str) -> None:
+        self._busy = True
+        self._running = tenant
+
+    def _release(self, spent_s: float, tenant: str) -> None:
         self._balance -= spent_s
         self.spent_s += spent_s
+        self._used[tenant] = self._used.get(tenant, 0.0) + spent_s
         self._busy = False
         self._next(asyncio.get_running_loop())
+        if not self._busy and not self._turns:
+            self._used.clear()  # idle: every tenant starts even again
 
     def _next(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The lane is free: the next tenant in turn gets it for its oldest job, at once
-        or once the budget is out of debt."""
+        """The lane is free: the waiting tenant that used the least CPU (the longest
+        waiting among equals) gets it for its oldest job, at once or once the budget
+        is out of debt."""
         if self._busy or self._timer is not None:
             return
         while self._turns:
@@ -186,13 +202,15 @@ class CpuLane:
                 wait_s = min(-self._balance / self.share, QUIET_S)
                 self._timer = loop.call_later(wait_s, self._wake, loop)
                 return
-            tenant = self._turns.popleft()
+            tenant = min(self._turns, key=lambda t: self._used.get(t, 0.0))
+            self._turns.remove(tenant)
             queue = self._waiting[tenant]
             while queue and queue[0].done():  # cancelled while waiting
                 queue.popleft()
             granted = False
             if queue:
-                self._busy = granted = True
+                self._grant(tenant)
+                granted = True
                 queue.popleft().set_result(None)
             while queue and queue[0].done():
                 queue.popleft()
