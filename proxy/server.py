@@ -37,7 +37,13 @@ from proxy.metrics import Outcome
 from proxy.protocol import ContractRunner
 from proxy.runtime import Runtime
 from proxy.tickets import TICKET_HEADER
-from proxy.tokenize.cpu_lane import LARGE_BODY_BYTES, cpu_lane, large_body, run_in_lane
+from proxy.tokenize.cpu_lane import (
+    LARGE_BODY_BYTES,
+    Flow,
+    cpu_lane,
+    large_body,
+    run_in_lane,
+)
 from proxy.upstream import EngineReader, health_loop
 from proxy.validation import Endpoint, ValidRequest, validate
 
@@ -203,7 +209,7 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     runtime = request.app[RUNTIME_KEY]
     record = request[_RECORD_KEY]
     hold = runtime.bodies.hold()
-    large = large_body.set(False)
+    large = large_body.set(None)
     try:
         try:
             raw = await _read_body(request, runtime.config.server, hold)
@@ -222,7 +228,7 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             raise
         send = functools.partial(_send, request, endpoint, hold)
         # a small request in flight: large bodies' CPU work keeps to its budget
-        with contextlib.nullcontext() if large_body.get() else cpu_lane().small():
+        with contextlib.nullcontext() if large_body.get() is not None else cpu_lane().small():
             forwarded = await gate.handle(ask, record, send)
         return forwarded.response
     except KvgateError as exc:
@@ -241,7 +247,7 @@ async def _valid(request: web.Request, runtime: Runtime, raw: bytes, endpoint: E
     thread, in the CPU lane with its tenant's turn, like all its later CPU work."""
     if len(raw) < LARGE_BODY_BYTES:
         return validate(raw, endpoint)
-    large_body.set(True)
+    large_body.set(Flow())
     try:
         tenant = _identity(request, runtime).tenant
     except Unauthorized:

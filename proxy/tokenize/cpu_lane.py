@@ -17,7 +17,9 @@ rest of the process keeps the remainder. What waits is the large bodies' own ans
 waiting, the one whose jobs used the least CPU goes next (a tenant that starts to wait
 counts from the least of those already waiting or running, so no credit is banked
 while away): a client whose bodies cost 150 ms each gets no more of the lane than one
-whose cost 5 ms, rather than 30 times as much by plain turns.
+whose cost 5 ms, rather than 30 times as much by plain turns. Within a tenant, the
+same between its requests (`Flow`): one client's light request is not queued behind
+the same tenant's heavy ones.
 
 A body under the limit never waits here: small requests are not slowed to make room.
 And the budget binds only while there are small requests to protect: one in flight,
@@ -41,7 +43,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-__all__ = ["BURST_S", "LARGE_BODY_BYTES", "QUIET_S", "SHARE", "CpuLane", "cpu_lane", "large_body",
+__all__ = ["BURST_S", "LARGE_BODY_BYTES", "QUIET_S", "SHARE", "CpuLane", "Flow", "cpu_lane",
+           "large_body",
            "run_in_lane"]
 
 T = TypeVar("T")
@@ -58,8 +61,16 @@ SWITCH_INTERVAL_S = 0.001
 QUIET_S = 0.25
 """Seconds after the last small request ends during which the budget still binds."""
 
+
+
+class Flow:
+    """One large-body request in the lane: what its jobs used is kept while it lives."""
+
+    __slots__ = ("__weakref__",)
+
+
 # Set by the server for the request (its task) whose body is large.
-large_body: ContextVar[bool] = ContextVar("kvgate_large_body", default=False)
+large_body: ContextVar[Flow | None] = ContextVar("kvgate_large_body", default=None)
 
 
 class _Abandoned(Exception):
@@ -85,10 +96,11 @@ class CpuLane:
         self._balance = burst_s
         self._at = clock()
         self._busy = False
-        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        self._waiting: dict[str, list[tuple[asyncio.Future[None], Flow | None]]] = {}
         self._turns: deque[str] = deque()  # tenants waiting, oldest first
         self._used: dict[str, float] = {}  # CPU-s charged per tenant while the lane is busy
         self._running = ""
+        self._flow_used: weakref.WeakKeyDictionary[Flow, float] = weakref.WeakKeyDictionary()
         self._timer: asyncio.TimerHandle | None = None
         self.spent_s = 0.0  # CPU-seconds charged, all told
         self.jobs = 0
@@ -114,9 +126,9 @@ class CpuLane:
         return sum(len(q) for q in self._waiting.values())
 
     async def run(self, tenant: str, call: Callable[[Callable[[], T]], Awaitable[T]],
-                  fn: Callable[..., T], *args: Any) -> T:
+                  fn: Callable[..., T], *args: Any, flow: Flow | None = None) -> T:
         loop = asyncio.get_running_loop()
-        await self._acquire(tenant, loop)
+        await self._acquire(tenant, flow, loop)
         job = _Job()
 
         def timed() -> T:
@@ -130,7 +142,7 @@ class CpuLane:
             finally:
                 spent = time.thread_time() - t0
                 with contextlib.suppress(RuntimeError):  # a closed loop: no lane to free
-                    loop.call_soon_threadsafe(self._release, spent, tenant)
+                    loop.call_soon_threadsafe(self._release, spent, tenant, flow)
 
         try:
             return await call(timed)
@@ -138,9 +150,10 @@ class CpuLane:
             with job.lock:
                 if not job.started:  # it never ran (cancelled first): nothing to charge
                     job.abandoned = True
-                    self._release(0.0, tenant)
+                    self._release(0.0, tenant, flow)
 
-    async def _acquire(self, tenant: str, loop: asyncio.AbstractEventLoop) -> None:
+    async def _acquire(self, tenant: str, flow: Flow | None,
+                       loop: asyncio.AbstractEventLoop) -> None:
         self.jobs += 1
         if not self._busy and not self._turns and self._may_start():
             self._grant(tenant)
@@ -149,19 +162,22 @@ class CpuLane:
         turn: asyncio.Future[None] = loop.create_future()
         queue = self._waiting.get(tenant)
         if queue is None:
-            queue = self._waiting[tenant] = deque()
+            queue = self._waiting[tenant] = []
             active = [self._used.get(t, 0.0) for t in self._turns]
             if self._busy:
                 active.append(self._used.get(self._running, 0.0))
             self._used[tenant] = max(self._used.get(tenant, 0.0), min(active, default=0.0))
             self._turns.append(tenant)
-        queue.append(turn)
+        if flow is not None and flow not in self._flow_used:  # from the least of its tenant's
+            self._flow_used[flow] = min((self._flow_used.get(f, 0.0) for _, f in queue
+                                         if f is not None), default=0.0)
+        queue.append((turn, flow))
         self._next(loop)
         try:
             await turn
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
-                self._release(0.0, tenant)  # granted, then cancelled: pass the lane on
+                self._release(0.0, tenant, flow)  # granted, then cancelled: pass it on
             raise
 
     def _may_start(self) -> bool:
@@ -182,10 +198,12 @@ class CpuLane:
         self._busy = True
         self._running = tenant
 
-    def _release(self, spent_s: float, tenant: str) -> None:
+    def _release(self, spent_s: float, tenant: str, flow: Flow | None) -> None:
         self._balance -= spent_s
         self.spent_s += spent_s
         self._used[tenant] = self._used.get(tenant, 0.0) + spent_s
+        if flow is not None:
+            self._flow_used[flow] = self._flow_used.get(flow, 0.0) + spent_s
         self._busy = False
         self._next(asyncio.get_running_loop())
         if not self._busy and not self._turns:
@@ -205,21 +223,22 @@ class CpuLane:
             tenant = min(self._turns, key=lambda t: self._used.get(t, 0.0))
             self._turns.remove(tenant)
             queue = self._waiting[tenant]
-            while queue and queue[0].done():  # cancelled while waiting
-                queue.popleft()
+            queue[:] = [entry for entry in queue if not entry[0].done()]  # cancelled
             granted = False
-            if queue:
+            if queue:  # its request whose jobs used the least (the oldest among equals)
+                k = min(range(len(queue)), key=lambda j: self._used_by(queue[j][1]))
                 self._grant(tenant)
                 granted = True
-                queue.popleft().set_result(None)
-            while queue and queue[0].done():
-                queue.popleft()
+                queue.pop(k)[0].set_result(None)
             if queue:
                 self._turns.append(tenant)
             else:
                 del self._waiting[tenant]
             if granted:
                 return
+
+    def _used_by(self, flow: Flow | None) -> float:
+        return 0.0 if flow is None else self._flow_used.get(flow, 0.0)
 
     def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
@@ -231,10 +250,11 @@ _LANES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CpuLane] = (
 
 
 async def run_in_lane(tenant: str, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in the lane, in a thread of the loop's default executor."""
+    """`fn(*args)` in the lane, in a thread of the loop's default executor, for the
+    request marked in `large_body`."""
     loop = asyncio.get_running_loop()
     return await cpu_lane().run(tenant, lambda job: loop.run_in_executor(None, job),
-                                fn, *args)
+                                fn, *args, flow=large_body.get())
 
 
 def cpu_lane() -> CpuLane:

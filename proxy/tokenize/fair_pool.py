@@ -67,8 +67,9 @@ class FairPool:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """A large body's jobs run in the CPU lane (`proxy.tokenize.cpu_lane`) first, in
         its turn and budget, then in a thread of this pool as any other."""
-        if large_body.get():
-            return await cpu_lane().run(counting_for.get(), self._run, fn, *args)
+        flow = large_body.get()
+        if flow is not None:
+            return await cpu_lane().run(counting_for.get(), self._run, fn, *args, flow=flow)
         return await self._run(fn, *args)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
