@@ -8,6 +8,7 @@ it. The other routes are `proxy.admin`'s, the background loops `proxy.upstream`'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,8 +37,15 @@ from proxy.metrics import Outcome
 from proxy.protocol import ContractRunner
 from proxy.runtime import Runtime
 from proxy.tickets import TICKET_HEADER
+from proxy.tokenize.cpu_lane import (
+    LARGE_BODY_BYTES,
+    Flow,
+    cpu_lane,
+    large_body,
+    run_in_lane,
+)
 from proxy.upstream import EngineReader, health_loop
-from proxy.validation import Endpoint, validate
+from proxy.validation import Endpoint, ValidRequest, validate
 
 __all__ = ["RUNTIME_KEY", "build_app", "start_proxy"]
 
@@ -46,9 +54,6 @@ log = logging.getLogger("kvgate.request")
 RUNTIME_KEY = web.AppKey("runtime", Runtime)
 _SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 _RECORD_KEY = web.RequestKey("record", Record)
-# A body this large is parsed and validated in a thread: a 4 MB one costs seconds of
-# CPU, which on the loop would stall every other request and /healthz with it.
-_OFF_LOOP_BYTES = 256 * 1024
 _PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETIONS: "/v1/completions"}
 
 
@@ -204,11 +209,11 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     runtime = request.app[RUNTIME_KEY]
     record = request[_RECORD_KEY]
     hold = runtime.bodies.hold()
+    large = large_body.set(None)
     try:
         try:
             raw = await _read_body(request, runtime.config.server, hold)
-            req = (validate(raw, endpoint) if len(raw) < _OFF_LOOP_BYTES else await
-                   asyncio.get_running_loop().run_in_executor(None, validate, raw, endpoint))
+            req = await _valid(request, runtime, raw, endpoint)
             gate = runtime.gate(req.model)
             hold.assign(gate.name)
             who = _identity(request, runtime)
@@ -222,7 +227,9 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             record.end(Outcome.CLIENT_DISCONNECT)
             raise
         send = functools.partial(_send, request, endpoint, hold)
-        forwarded = await gate.handle(ask, record, send)
+        # a small request in flight: large bodies' CPU work keeps to its budget
+        with contextlib.nullcontext() if large_body.get() is not None else cpu_lane().small():
+            forwarded = await gate.handle(ask, record, send)
         return forwarded.response
     except KvgateError as exc:
         response = _error_response(exc, record)
@@ -231,6 +238,21 @@ async def _infer(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         return response
     finally:
         hold.release()
+        large_body.reset(large)
+
+
+async def _valid(request: web.Request, runtime: Runtime, raw: bytes, endpoint: Endpoint
+                 ) -> ValidRequest:
+    """A small body is checked here; a large one (4 MB costs up to seconds of CPU) in a
+    thread, in the CPU lane with its tenant's turn, like all its later CPU work."""
+    if len(raw) < LARGE_BODY_BYTES:
+        return validate(raw, endpoint)
+    large_body.set(Flow())
+    try:
+        tenant = _identity(request, runtime).tenant
+    except Unauthorized:
+        tenant = ""  # refused after the check, as any request without a key
+    return await run_in_lane(tenant, validate, raw, endpoint)
 
 
 async def _send(request: web.Request, endpoint: Endpoint, hold: BodyHold,

@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from proxy.errors import InvalidRequest
+from proxy.json_slices import TooDeep, loads_sliced
 from proxy.tokenize import ChatRequest
 
 __all__ = ["MAX_JSON_DEPTH", "Endpoint", "ValidRequest", "parse_body", "parse_chat_file",
@@ -26,6 +27,10 @@ MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects kvgate accepts. Real requests stay far below
 (a tool schema with nested objects reaches about 10); deeper input is a 400, never a
 RecursionError in the parser, the chat template or the re-serialisation."""
+
+SLICED_CHARS = 64 * 1024
+"""A longer text is parsed in short C calls (`proxy.json_slices`), the same JSON: one
+`json.loads` of 4 MB holds the GIL, so the event loop, for up to 65 ms."""
 
 # A \uD800-\uDFFF escape: only then can a string hold a surrogate (paired ones are fine).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -287,8 +292,10 @@ def parse_body(raw: bytes) -> Any:
     exception the server did not expect (a RecursionError, a 4300-digit integer)."""
     text, decoded_surrogates = _decode(raw)
     try:
-        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except RecursionError as exc:
+        decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+        body = (decoder.decode(text) if len(text) <= SLICED_CHARS else
+                loads_sliced(text, decoder, max_depth=MAX_JSON_DEPTH))
+    except (RecursionError, TooDeep) as exc:
         raise _fail(
             f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
             "body",

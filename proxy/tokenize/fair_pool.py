@@ -30,6 +30,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from proxy.tokenize.cpu_lane import cpu_lane, large_body
+
 __all__ = ["FairPool", "counting_for"]
 
 T = TypeVar("T")
@@ -63,6 +65,14 @@ class FairPool:
         return 0 if state is None else sum(len(q) for q in state.waiting.values())
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """A large body's jobs run in the CPU lane (`proxy.tokenize.cpu_lane`) first, in
+        its turn and budget, then in a thread of this pool as any other."""
+        flow = large_body.get()
+        if flow is not None:
+            return await cpu_lane().run(counting_for.get(), self._run, fn, *args, flow=flow)
+        return await self._run(fn, *args)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         state = self._states.get(loop)
         if state is None:
