@@ -65,6 +65,7 @@ from benchmarks.suite.workloads import (
     RequestSpec,
     TraceRow,
     burst,
+    bursty_long_prompts,
     group_prompts,
     hol_mix,
     load_azure,
@@ -79,7 +80,8 @@ DEADLINE_S = 3.0
 DEFAULT_STARVATION_S = 5.0  # kvgate's default: above the deadline, so pure backfill
 HOL_STARVATION_S = 1.0  # below the deadline: a long waiter does reach the head's protection
 MAX_PROMPT, MAX_OUTPUT = 6000, 1000
-SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "G", "Gz", "overhead")
+SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "B", "G", "Gz", "overhead")
+BURSTY_MAX_OUTPUT = 200  # code completion: short answers
 CLASSIC_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.STRICT, Target.ADAPTIVE)
 PREFIX_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.AFFINITY_TIMEOUT,
                   Target.ADAPTIVE_PREFIX_OFF, Target.ADAPTIVE)
@@ -227,6 +229,8 @@ def plan_scenarios(duration_s: float, params: SimParams,
         out.append(Scenario(
             "S3", "5x burst for 4 s on a 0.5x base, then recovery, Azure conversation lengths",
             burst(conv_at(0.5), extra)))
+    if "B" in wanted:
+        out.append(_bursty(duration_s, params, max_prompt))
     if "S4" in wanted:
         hol = hol_mix(rate_per_s=1.0, duration_s=duration_s * 20, seed=11)
         hol = [s for s in rescale(hol, 1.5 * rate_for(1.0, hol, params))
@@ -256,6 +260,27 @@ def plan_scenarios(duration_s: float, params: SimParams,
         f"give up after {DEADLINE_S} s without a first token. Each run stops at the arrival "
         "window + drain; `cut_at_benchmark_end` counts requests still open then.")
     return out, header + prefix_header
+
+
+def _bursty(duration_s: float, params: SimParams, max_prompt: int) -> Scenario:
+    """B: code-completion shaped, long prompts and short answers in on-off bursts.
+
+    1x is `rate_for` on a long draw of the same lengths; each on-phase arrives at 2x,
+    each off-phase sends nothing; on and off phases each last 1 to 4 s (uniform), so
+    the mean over the window is about 1x."""
+    long = bursty_long_prompts(rate_per_s=1.0, duration_s=2000.0, seed=31,
+                               max_prompt=max_prompt, max_output=BURSTY_MAX_OUTPUT)
+    one_x = rate_for(1.0, long, params)
+    specs = bursty_long_prompts(rate_per_s=2.0 * one_x, duration_s=duration_s, seed=32,
+                                max_prompt=max_prompt, max_output=BURSTY_MAX_OUTPUT)
+    prompts = statistics.mean(s.prompt_tokens for s in long)
+    outputs = statistics.mean(s.output_tokens for s in long)
+    title = (f"Bursty long prompts (code-completion shape): on-off bursts at 2x "
+             f"({2 * one_x:.2f} req/s during a burst, {len(specs) / duration_s:.2f} req/s "
+             f"over the window), prompts lognormal median 3,000 (mean {prompts:,.0f}, "
+             f"clipped to {max_prompt:,}), answers lognormal median 60 (mean "
+             f"{outputs:.0f}, 8 to {BURSTY_MAX_OUTPUT}), synthetic, seeded")
+    return Scenario("B", title, specs)
 
 
 def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import subprocess
 import sys
 import tomllib
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from benchmarks.suite.workloads import (
     Behaviour,
     PromptBuilder,
     RequestSpec,
+    bursty_long_prompts,
     group_prompts,
     hol_mix,
     load_azure,
@@ -464,3 +467,36 @@ def test_refusal_figures_and_capacity_left_unused() -> None:
     assert "- MET: a retry after Retry-After admitted >= 60%: 2 of 2 = 100%" in verdict
     assert "- NOT MET: goodput >= 1.1x direct+timeout: 2.10 / 2.00 = 1.05x" in verdict
     assert "- NOT MET: preemptions <= 1% of admitted: 1 of 2" in verdict
+
+
+def test_bursty_long_prompts_are_seeded_bursty_and_bounded() -> None:
+    a = bursty_long_prompts(rate_per_s=20.0, duration_s=60.0, seed=5, max_prompt=6000,
+                            max_output=200)
+    assert a == bursty_long_prompts(rate_per_s=20.0, duration_s=60.0, seed=5,
+                                    max_prompt=6000, max_output=200)
+    assert all(0 <= s.arrival_s < 60.0 for s in a)
+    assert all(256 <= s.prompt_tokens <= 6000 and 8 <= s.output_tokens <= 200 for s in a)
+    assert 2000 < statistics.median(s.prompt_tokens for s in a) < 4500
+    assert 30 < statistics.median(s.output_tokens for s in a) < 120
+    # on-off: gaps of a second or more between bursts, the mean rate about half the peak
+    gaps = [b.arrival_s - x.arrival_s for x, b in pairwise(a)]
+    assert sum(1 for g in gaps if g >= 1.0) >= 5
+    assert 0.25 * 20 < len(a) / 60.0 < 0.75 * 20
+
+
+def test_suite_tiny_bursty_run_with_retries_reports_refusals(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--scenarios", "B", "--behaviours", "none",
+         "--targets", "adaptive", "--duration", "3", "--drain", "2", "--retries", "1",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = (tmp_path / "report.md").read_text()
+    assert "## B: Bursty long prompts" in report
+    for column in ("refused on first try", "within 50 ms", "refusal p50 / p99 ms",
+                   "admitted on the retry (rate)", "KV free while requests waited"):
+        assert column in report, column
+    assert "| kvgate adaptive |" in report and "| kvgate adaptive +retry |" in report
+    assert "Acceptance (issue #22, B, `none`)" in report
+    assert (tmp_path / "B-none-timeline.png").stat().st_size > 10_000
