@@ -433,9 +433,10 @@ def test_refusal_figures_and_capacity_left_unused() -> None:
     slow = Result(spec=spec, status=429, code="queue_timeout", latency_s=3.0,
                   message="no capacity for model 'm' within the deadline: waited 3000 ms")
     refused_first = Result(spec=spec, status=429, code="queue_timeout", latency_s=0.01,
-                           message="... refused before it", sent_s=1.0)
+                           message="... refused before it", sent_s=1.0, retry_after_s=3.5)
     retried = Result(spec=spec, status=200, ttft_s=2.5, latency_s=3.0, sent_s=2.0,
-                     first=refused_first, from_first_s=1.0, queue_wait_s=0.2)
+                     first=refused_first, from_first_s=1.0, queue_wait_s=0.2,
+                     retry_wait_s=1.0)
     late = Result(spec=spec, status=200, ttft_s=3.5, latency_s=4.0, sent_s=2.0,
                   first=refused_first, from_first_s=1.0)
     waiting = Result(spec=spec, code=CUT, first=refused_first)  # retry never sent
@@ -452,6 +453,7 @@ def test_refusal_figures_and_capacity_left_unused() -> None:
     assert s.first_by_reason["queue_timeout (predicted)"].n == 3
     assert (s.retried, s.retry_admitted, s.retry_good, s.retry_cut) == (2, 2, 1, 1)
     assert s.retry_rate == 1.0 and s.admitted == 2
+    assert s.retry_after_p50 == s.retry_after_max == 3.5 and s.retry_wait_p50 == 1.0
     # waiting from 0.1 s to 0.3 s: free 60% then 10% of 1,000 tokens, 0.1 s each
     assert s.waiting_s == pytest.approx(0.2)
     assert s.unused_token_s == pytest.approx(60 + 10)
@@ -460,6 +462,7 @@ def test_refusal_figures_and_capacity_left_unused() -> None:
     assert s.engine_ttft_p99 == pytest.approx(3.5 - 1.0)  # the later retry, on its own clock
     text = refusal_table([s])
     assert "| kvgate adaptive +retry | 13 of 13 | 92% |" in text
+    assert "| 3,500 / 3,500 | 2; 1 cut waiting (1,000) | 2 (100%) | 1 |" in text
     verdict = acceptance("S2", {"direct": 1.0, "direct+timeout": 2.0,
                                 "kvgate adaptive +retry": 2.1},
                          {"kvgate adaptive +retry": s}, 3.0)

@@ -76,6 +76,8 @@ class RefusalSummary:
     retry_refused: dict[str, int]  # retries refused again, by reason
     retry_cut: int  # refused requests still waiting to retry (or retrying) at the stop
     retry_wait_p50: float | None  # the waits the clients honoured
+    retry_after_p50: float | None  # what the refused first tries were told to wait
+    retry_after_max: float | None
     retried_latencies: Latencies  # refusals of retries, from the retry's send
     send_lag_p99: float | None  # client: scheduled arrival to send, all first tries
     waiting_s: float  # time somebody waited (kvgate's queue, or an engine's when direct)
@@ -135,6 +137,7 @@ def summarize_refusals(run: Run, *, slo_ttft_s: float) -> RefusalSummary:
         refused_again[refusal_reason(r)] = refused_again.get(refusal_reason(r), 0) + 1
     cut = sum(1 for r in run.results if r.first is not None and r.code == CUT)
     waits = [r.retry_wait_s for r in run.results if r.retry_wait_s is not None]
+    told = [t.retry_after_s for t in refused if t.retry_after_s is not None]
     lag = [t.sent_s - t.spec.arrival_s for t in firsts if t.status != 0]
     waited_s, unused, unreserved = unused_capacity(run.samples)
     done = [r for r in run.results if completed(r) and r.ttft_s is not None]
@@ -150,6 +153,7 @@ def summarize_refusals(run: Run, *, slo_ttft_s: float) -> RefusalSummary:
                        and r.ttft_s <= slo_ttft_s),
         retry_refused=refused_again, retry_cut=cut,
         retry_wait_p50=pct(waits, 0.5),
+        retry_after_p50=pct(told, 0.5), retry_after_max=max(told, default=None),
         retried_latencies=Latencies.of([r.refusal_s or 0.0 for r in again]),
         send_lag_p99=pct(lag, 0.99), waiting_s=waited_s, unused_token_s=unused,
         unreserved_token_s=unreserved,
@@ -165,11 +169,12 @@ def _share(v: float | None) -> str:
 def refusal_table(summaries: list[RefusalSummary]) -> str:
     """Refusal latency by reason, retries, unused capacity; one row per target."""
     lines = ["| target | refused on first try | within 50 ms | refusal p50 / p99 ms | "
-             "by reason: n (within 50 ms, p50 / p99 ms) | retried | admitted on the retry "
+             "by reason: n (within 50 ms, p50 / p99 ms) | Retry-After p50 / max ms | "
+             "retried (wait p50 ms) | admitted on the retry "
              "(rate) | of those within SLO from first send | retries refused again | "
              "KV free while requests waited: token-s (share of pool; time waited) | "
              "kvgate target unreserved then, token-s | client send lag p99 ms |",
-             "|" + "---|" * 12]
+             "|" + "---|" * 13]
     for s in summaries:
         reasons = "; ".join(f"{k}: {v.n} ({_share(v.fast_share)}, {ms(v.p50)} / {ms(v.p99)})"
                             for k, v in s.first_by_reason.items()) or "-"
@@ -181,7 +186,9 @@ def refusal_table(summaries: list[RefusalSummary]) -> str:
         cut = f"; {s.retry_cut} cut waiting" if s.retry_cut else ""
         lines.append(
             f"| {s.label} | {s.first.n} of {s.offered} | {_share(s.first.fast_share)} | "
-            f"{ms(s.first.p50)} / {ms(s.first.p99)} | {reasons} | {s.retried}{cut} | "
+            f"{ms(s.first.p50)} / {ms(s.first.p99)} | {reasons} | "
+            f"{ms(s.retry_after_p50)} / {ms(s.retry_after_max)} | {s.retried}{cut}"
+            f"{f' ({ms(s.retry_wait_p50)})' if s.retried else ''} | "
             f"{retry} | {s.retry_good if s.retried else '-'} | "
             f"{again if s.retried else '-'} | {s.unused_token_s:,.0f} "
             f"({_share(s.unused_share)}; {s.waiting_s:.1f} s) | {unreserved} | "
