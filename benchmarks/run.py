@@ -40,7 +40,9 @@ from benchmarks.suite.cluster import (
     cluster,
 )
 from benchmarks.suite.llamacpp import LLAMA_BODY, LlamaParams, Probe, llama_cluster, probe
-from benchmarks.suite.loadgen import Run, run_closed_loop, run_open_loop
+from benchmarks.suite.loadgen import RETRY_CAP_S, Run, run_closed_loop, run_open_loop
+from benchmarks.suite.refusals import acceptance as deadline_acceptance
+from benchmarks.suite.refusals import refusal_table, summarize_refusals, timeline
 from benchmarks.suite.report import (
     Summary,
     acceptance,
@@ -63,6 +65,7 @@ from benchmarks.suite.workloads import (
     RequestSpec,
     TraceRow,
     burst,
+    bursty_long_prompts,
     group_prompts,
     hol_mix,
     load_azure,
@@ -77,7 +80,8 @@ DEADLINE_S = 3.0
 DEFAULT_STARVATION_S = 5.0  # kvgate's default: above the deadline, so pure backfill
 HOL_STARVATION_S = 1.0  # below the deadline: a long waiter does reach the head's protection
 MAX_PROMPT, MAX_OUTPUT = 6000, 1000
-SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "G", "Gz", "overhead")
+SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "B", "G", "Gz", "overhead")
+BURSTY_MAX_OUTPUT = 200  # code completion: short answers
 CLASSIC_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.STRICT, Target.ADAPTIVE)
 PREFIX_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.AFFINITY_TIMEOUT,
                   Target.ADAPTIVE_PREFIX_OFF, Target.ADAPTIVE)
@@ -159,9 +163,11 @@ class Limits:
 async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
                      params: SimParams, target: Target, behaviour: Behaviour,
                      ordering: str, label: str, limits: Limits, starvation_s: float,
-                     backends: int = 2, llama: LlamaParams | None = None) -> Run:
+                     backends: int = 2, llama: LlamaParams | None = None,
+                     retries: int = 0) -> Run:
     """One run on fresh processes; raises StartFailed when the cluster does not come up.
-    `llama` given: llama-servers of those pools instead of simulated backends."""
+    `llama` given: llama-servers of those pools instead of simulated backends.
+    `retries`: a refused client retries once after its Retry-After (kvgate targets)."""
     gate = None
     if target.proxy:
         gate = GateSettings(deadline_s=DEADLINE_S, ordering=ordering, starvation_s=starvation_s,
@@ -180,7 +186,8 @@ async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
             give_up_s=DEADLINE_S if target.gives_up else None, route=route,
             behaviour=behaviour, label=f"{key} {behaviour}: {label}", sampler=c.sample,
             watch=c.watch, hang_up_at_output=real, sim_fields=not real,
-            body_extra=LLAMA_BODY if real else None, fresh_connections=real)
+            body_extra=LLAMA_BODY if real else None, fresh_connections=real,
+            retries=retries if target.proxy else 0)
         run.samples = c.samples
         run.totals = await c.engine_totals()
         run.preemptions = int(run.totals["preemptions"])
@@ -222,6 +229,8 @@ def plan_scenarios(duration_s: float, params: SimParams,
         out.append(Scenario(
             "S3", "5x burst for 4 s on a 0.5x base, then recovery, Azure conversation lengths",
             burst(conv_at(0.5), extra)))
+    if "B" in wanted:
+        out.append(_bursty(duration_s, params, max_prompt))
     if "S4" in wanted:
         hol = hol_mix(rate_per_s=1.0, duration_s=duration_s * 20, seed=11)
         hol = [s for s in rescale(hol, 1.5 * rate_for(1.0, hol, params))
@@ -251,6 +260,27 @@ def plan_scenarios(duration_s: float, params: SimParams,
         f"give up after {DEADLINE_S} s without a first token. Each run stops at the arrival "
         "window + drain; `cut_at_benchmark_end` counts requests still open then.")
     return out, header + prefix_header
+
+
+def _bursty(duration_s: float, params: SimParams, max_prompt: int) -> Scenario:
+    """B: code-completion shaped, long prompts and short answers in on-off bursts.
+
+    1x is `rate_for` on a long draw of the same lengths; each on-phase arrives at 2x,
+    each off-phase sends nothing; on and off phases each last 1 to 4 s (uniform), so
+    the mean over the window is about 1x."""
+    long = bursty_long_prompts(rate_per_s=1.0, duration_s=2000.0, seed=31,
+                               max_prompt=max_prompt, max_output=BURSTY_MAX_OUTPUT)
+    one_x = rate_for(1.0, long, params)
+    specs = bursty_long_prompts(rate_per_s=2.0 * one_x, duration_s=duration_s, seed=32,
+                                max_prompt=max_prompt, max_output=BURSTY_MAX_OUTPUT)
+    prompts = statistics.mean(s.prompt_tokens for s in long)
+    outputs = statistics.mean(s.output_tokens for s in long)
+    title = (f"Bursty long prompts (code-completion shape): on-off bursts at 2x "
+             f"({2 * one_x:.2f} req/s during a burst, {len(specs) / duration_s:.2f} req/s "
+             f"over the window), prompts lognormal median 3,000 (mean {prompts:,.0f}, "
+             f"clipped to {max_prompt:,}), answers lognormal median 60 (mean "
+             f"{outputs:.0f}, 8 to {BURSTY_MAX_OUTPUT}), synthetic, seeded")
+    return Scenario("B", title, specs)
 
 
 def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,
@@ -363,6 +393,34 @@ def _notes(summaries: list[Summary], failed: list[str]) -> str:
     return "\n".join(f"- {n}" for n in notes)
 
 
+def _refusal_part(key: str, behaviour: Behaviour, runs: list[Run],
+                  summaries: list[Summary], out: Path) -> str:
+    """Refusal latency, retries, capacity unused while requests waited; the acceptance
+    of issue #22 where it names the scenario; the admission timeline."""
+    refusals = [summarize_refusals(r, slo_ttft_s=SLO_TTFT_S) for r in runs]
+    text = ("Refusals, retries and capacity left unused (a refusal's latency is from the "
+            "client's send of that try to the 429/503; `+retry`: a refused client waits "
+            f"its `retry-after-ms` / `Retry-After`, at most {RETRY_CAP_S:g} s, and tries "
+            "once more with its `x-kvgate-ticket`; a retry counts toward goodput only if "
+            "its first token comes within the SLO counted from the FIRST try's send (a "
+            "refusal predicted at arrival tells the client to wait about its predicted "
+            "wait, which is more than the time left to its deadline, so with the SLO equal "
+            "to the deadline such a retry cannot count); "
+            "`queue_timeout (predicted)`: refused before its deadline by kvgate's forecast, "
+            "at arrival or later while queued; `(waited)`: when its deadline passed in the "
+            "queue; KV free while requests waited: engine-reported free KV "
+            "x time while kvgate's queue (for direct targets, an engine's queue) was "
+            "non-empty, from the 0.2 s samples):\n\n" + refusal_table(refusals))
+    if key in ("S2", "B") and any(r.label.startswith("kvgate adaptive") for r in runs):
+        goodput = {s.label: s.goodput_per_s for s in summaries}
+        text += (f"\n\nAcceptance (issue #22, {key}, `{behaviour}`):\n\n"
+                 + deadline_acceptance(key, goodput, {r.label: r for r in refusals},
+                                       DEADLINE_S))
+    image = out / f"{key}-{behaviour}-timeline.png"
+    timeline(runs, f"{key}, `{behaviour}`: admission timeline", image)
+    return text + f"\n\n![{key} {behaviour} timeline]({image.name})"
+
+
 def _long_requests(runs: list[Run]) -> str:
     """What the long requests of the head-of-line mix got, target by target: a first token
     (admitted and served) within the run, and completion before the hard stop."""
@@ -386,8 +444,11 @@ def _long_requests(runs: list[Run]) -> str:
 
 async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilder,
                             params: SimParams, behaviours: Sequence[Behaviour],
-                            targets: Sequence[Target] | None, limits: Limits) -> list[str]:
-    """`targets` None: the scenario's own set."""
+                            targets: Sequence[Target] | None, limits: Limits,
+                            retries: int = 0) -> list[str]:
+    """`targets` None: the scenario's own set. `retries`: every kvgate target runs
+    twice, its clients not retrying and (label `+retry`) retrying once after a
+    refusal's Retry-After."""
     params = scenario.params or params
     targets = scenario.targets if targets is None else targets
     prefix = scenario.key in ("G", "Gz")
@@ -406,11 +467,16 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
               flush=True)
         runs: list[Run] = []
         failed: list[str] = []
-        for target, ordering, label in _runs_for(scenario, targets):
+        plan = [(t, o, label, 0) for t, o, label in _runs_for(scenario, targets)]
+        if retries:
+            plan += [(t, o, f"{label} +retry", retries) for t, o, label, _ in plan
+                     if t.proxy]
+        for target, ordering, label, tries in plan:
             try:
                 runs.append(await run_target(scenario.key, scenario.specs, builder, params,
                                              target, behaviour, ordering, label, limits,
-                                             scenario.starvation_s, scenario.backends))
+                                             scenario.starvation_s, scenario.backends,
+                                             retries=tries))
             except StartFailed as exc:
                 failed.append(f"{label}: {exc}")
             if label not in labels:
@@ -425,6 +491,8 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
                  image)
         part = (f"### {scenario.key}, client behaviour `{behaviour}`\n\n{table(summaries)}"
                 f"\n\n{_notes(summaries, failed)}")
+        if runs and not prefix:
+            part += "\n\n" + _refusal_part(scenario.key, behaviour, runs, summaries, out)
         if prefix and runs:
             prefixed = [prefix_summary(r, slo_ttft_s=SLO_TTFT_S, window_s=limits.duration_s)
                         for r in runs]
@@ -713,6 +781,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="short windows for development: numbers are noisier")
     parser.add_argument("--overhead-scale", type=float, default=1.0)
+    parser.add_argument("--retries", type=int, choices=(0, 1), default=0,
+                        help="1: each kvgate target also runs with clients that retry a "
+                             "refusal once after its Retry-After (at most "
+                             f"{RETRY_CAP_S:g} s), sending its ticket (simulator engine)")
     return parser.parse_args(argv)
 
 
@@ -819,7 +891,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sections = [header]
         for scenario in scenarios:
             sections += asyncio.run(scenario_sections(out, scenario, builder, params,
-                                                      args.behaviours, args.targets, limits))
+                                                      args.behaviours, args.targets, limits,
+                                                      args.retries))
     if "overhead" in wanted:
         sections.append(asyncio.run(overhead(args.overhead_scale)))
     elapsed = time.perf_counter() - started

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import subprocess
 import sys
 import tomllib
+from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +28,14 @@ from benchmarks.suite.cluster import (
     kvgate_config,
     to_toml,
 )
-from benchmarks.suite.loadgen import ABANDONED, Result, Run, Sample, run_open_loop
+from benchmarks.suite.loadgen import ABANDONED, CUT, Result, Run, Sample, run_open_loop
+from benchmarks.suite.refusals import acceptance, refusal_table, summarize_refusals
 from benchmarks.suite.report import summarize
 from benchmarks.suite.workloads import (
     Behaviour,
     PromptBuilder,
     RequestSpec,
+    bursty_long_prompts,
     group_prompts,
     hol_mix,
     load_azure,
@@ -335,8 +340,10 @@ def test_suite_tiny_run_writes_report_and_plots(tmp_path: Path) -> None:
                    "preemptions", "KV use mean / saturated", "TTFT p99 all / completed ms",
                    "queue wait p99 all / completed ms"):
         assert column in report, column
-    rows = {line.split("|")[1].strip(): line.split("|") for line in report.splitlines()
-            if line.startswith("| direct+timeout |") or line.startswith("| kvgate strict |")}
+    rows: dict[str, list[str]] = {}
+    for line in report.splitlines():  # the first table's rows (the refusals' come after)
+        if line.startswith(("| direct+timeout |", "| kvgate strict |")):
+            rows.setdefault(line.split("|")[1].strip(), line.split("|"))
     assert set(rows) == {"direct+timeout", "kvgate strict"}
     assert rows["kvgate strict"][5].strip() == "0"  # zero preemptions through kvgate
     assert rows["direct+timeout"][9].strip() == "- / -"  # no gateway queue to wait in
@@ -364,3 +371,135 @@ def test_bench_ledger_shared_prefix_cases_run_small() -> None:
     rates = asyncio.run(shared_pair_rates(ledger, seconds=0.02, concurrency=1, rounds=1))
     assert min(rates.plain, rates.joined, rates.joined_wide, rates.first) > 0
     assert ledger.resident("gpu-a") == 0
+
+
+def test_a_refused_client_retries_once_after_retry_after_with_its_ticket() -> None:
+    """Over HTTP: the first try of each request is refused (429, `retry-after-ms`, a
+    ticket); the client waits what it was told, sends the ticket back once, and its
+    TTFT counts from the first try's send. Without retries it stays refused."""
+    seen: list[str | None] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        ticket = request.headers.get("x-kvgate-ticket")
+        seen.append(ticket)
+        if ticket is None:
+            return web.json_response(
+                {"error": {"code": "queue_timeout", "message": "no capacity for model 'm' "
+                           "within the deadline: predicted to wait 900 ms more for 10 "
+                           "tokens with 100 ms left; refused before it"}},
+                status=429, headers={"Retry-After": "1", "retry-after-ms": "150",
+                                     "x-kvgate-ticket": f"t{len(seen)}"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    specs = [RequestSpec(arrival_s=0.05 * i, prompt_tokens=40, output_tokens=1)
+             for i in range(3)]
+    builder = PromptBuilder(load_counter(QWEN))
+
+    async def scenario() -> tuple[Run, Run]:
+        async with fake_backend(chat) as base:
+            once = await run_open_loop([base], specs, builder, hard_stop_s=10,
+                                       behaviour=Behaviour.NONE)
+            seen.clear()
+            again = await run_open_loop([base], specs, builder, hard_stop_s=10,
+                                        behaviour=Behaviour.NONE, retries=1)
+        return once, again
+
+    once, again = asyncio.run(scenario())
+    assert all(r.status == 429 and r.first is None and r.ticket for r in once.results)
+    assert sorted(t for t in seen if t is not None) == ["t1", "t2", "t3"]  # each its own
+    for r in again.results:
+        assert r.ok and r.first is not None and r.first.status == 429
+        assert r.retry_wait_s == pytest.approx(0.15)  # retry-after-ms read before Retry-After
+        assert r.sent_s - r.first.sent_s >= 0.15
+        assert r.ttft_s is not None and r.ttft_s >= r.from_first_s >= 0.15
+    s = summarize_refusals(again, slo_ttft_s=3.0)
+    assert (s.first.n, s.retried, s.retry_admitted, s.retry_good) == (3, 3, 3, 3)
+    assert list(s.first_by_reason) == ["queue_timeout (predicted)"]
+    assert summarize_refusals(once, slo_ttft_s=3.0).retried == 0
+    with pytest.raises(ValueError):
+        asyncio.run(run_open_loop(["http://127.0.0.1:9"], specs, builder, hard_stop_s=1,
+                                  behaviour=Behaviour.NONE, retries=2))
+
+
+def test_refusal_figures_and_capacity_left_unused() -> None:
+    spec = RequestSpec(arrival_s=0, prompt_tokens=10, output_tokens=5)
+    fast = [Result(spec=spec, status=429, code="queue_full", latency_s=0.004 * (i + 1))
+            for i in range(9)]
+    slow = Result(spec=spec, status=429, code="queue_timeout", latency_s=3.0,
+                  message="no capacity for model 'm' within the deadline: waited 3000 ms")
+    refused_first = Result(spec=spec, status=429, code="queue_timeout", latency_s=0.01,
+                           message="... refused before it", sent_s=1.0, retry_after_s=3.5)
+    retried = Result(spec=spec, status=200, ttft_s=2.5, latency_s=3.0, sent_s=2.0,
+                     first=refused_first, from_first_s=1.0, queue_wait_s=0.2,
+                     retry_wait_s=1.0)
+    late = Result(spec=spec, status=200, ttft_s=3.5, latency_s=4.0, sent_s=2.0,
+                  first=refused_first, from_first_s=1.0)
+    waiting = Result(spec=spec, code=CUT, first=refused_first)  # retry never sent
+    samples = [replace(_sample(t / 10, kv, 0, q), capacity=1000,
+                       target_per_backend=(400, 400), reserved_per_backend=(300, 400))
+               for t, kv, q in ((0, 0.5, 0), (1, 0.4, 2), (2, 0.9, 1), (3, 0.9, 0),
+                                (4, 0.1, 0))]
+    run = Run(label="kvgate adaptive +retry", results=[*fast, slow, retried, late, waiting],
+              samples=samples, preemptions=1)
+    s = summarize_refusals(run, slo_ttft_s=3.0)
+    assert s.first.n == 13 and s.first.fast_share == pytest.approx(12 / 13)
+    assert s.first_by_reason["queue_full"].n == 9
+    assert s.first_by_reason["queue_timeout (waited)"].p99 == 3.0
+    assert s.first_by_reason["queue_timeout (predicted)"].n == 3
+    assert (s.retried, s.retry_admitted, s.retry_good, s.retry_cut) == (2, 2, 1, 1)
+    assert s.retry_rate == 1.0 and s.admitted == 2
+    assert s.retry_after_p50 == s.retry_after_max == 3.5 and s.retry_wait_p50 == 1.0
+    # waiting from 0.1 s to 0.3 s: free 60% then 10% of 1,000 tokens, 0.1 s each
+    assert s.waiting_s == pytest.approx(0.2)
+    assert s.unused_token_s == pytest.approx(60 + 10)
+    assert s.unreserved_token_s == pytest.approx(100 * 0.2)
+    assert s.unused_share == pytest.approx(70 / 200)
+    assert s.engine_ttft_p99 == pytest.approx(3.5 - 1.0)  # the later retry, on its own clock
+    text = refusal_table([s])
+    assert "| kvgate adaptive +retry | 13 of 13 | 92% |" in text
+    assert "| 3,500 / 3,500 | 2; 1 cut waiting (1,000) | 2 (100%) | 1 |" in text
+    verdict = acceptance("S2", {"direct": 1.0, "direct+timeout": 2.0,
+                                "kvgate adaptive +retry": 2.1},
+                         {"kvgate adaptive +retry": s}, 3.0)
+    assert "- MET: refusals >= 90% answered within 50 ms: 92% of 13" in verdict
+    assert "- MET: a retry after Retry-After admitted >= 60%: 2 of 2 = 100%" in verdict
+    assert "- NOT MET: goodput >= 1.1x direct+timeout: 2.10 / 2.00 = 1.05x" in verdict
+    assert "- NOT MET: preemptions <= 1% of admitted: 1 of 2" in verdict
+
+
+def test_bursty_long_prompts_are_seeded_bursty_and_bounded() -> None:
+    a = bursty_long_prompts(rate_per_s=20.0, duration_s=60.0, seed=5, max_prompt=6000,
+                            max_output=200)
+    assert a == bursty_long_prompts(rate_per_s=20.0, duration_s=60.0, seed=5,
+                                    max_prompt=6000, max_output=200)
+    assert all(0 <= s.arrival_s < 60.0 for s in a)
+    assert all(256 <= s.prompt_tokens <= 6000 and 8 <= s.output_tokens <= 200 for s in a)
+    assert 2000 < statistics.median(s.prompt_tokens for s in a) < 4500
+    assert 30 < statistics.median(s.output_tokens for s in a) < 120
+    # on-off: gaps of a second or more between bursts, the mean rate about half the peak
+    gaps = [b.arrival_s - x.arrival_s for x, b in pairwise(a)]
+    assert sum(1 for g in gaps if g >= 1.0) >= 5
+    assert 0.25 * 20 < len(a) / 60.0 < 0.75 * 20
+
+
+def test_suite_tiny_bursty_run_with_retries_reports_refusals(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--scenarios", "B", "--behaviours", "none",
+         "--targets", "adaptive", "--duration", "3", "--drain", "2", "--retries", "1",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = (tmp_path / "report.md").read_text()
+    assert "## B: Bursty long prompts" in report
+    for column in ("refused on first try", "within 50 ms", "refusal p50 / p99 ms",
+                   "admitted on the retry (rate)", "KV free while requests waited"):
+        assert column in report, column
+    assert "| kvgate adaptive |" in report and "| kvgate adaptive +retry |" in report
+    assert "Acceptance (issue #22, B, `none`)" in report
+    assert (tmp_path / "B-none-timeline.png").stat().st_size > 10_000

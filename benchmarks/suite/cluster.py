@@ -233,17 +233,24 @@ class Cluster:
                 waiting += int(m["vllm:num_requests_waiting"])
                 preemptions += int(m["vllm:num_preemptions_total"])
             reserved = queued = None
+            held: tuple[int, ...] = ()
+            targets: tuple[int, ...] = ()
             if self.proxy:
                 async with s.get(f"{self.proxy}/admin/state") as resp:
                     model = (await resp.json())["models"][MODEL]
-                reserved = sum(b["resident_tokens"] for b in model["backends"].values())
+                by_name = model["backends"]  # sim-0, sim-1, ...: the engines' order
+                views = [by_name[k] for k in sorted(by_name, key=lambda k: int(k[4:]))]
+                reserved = sum(b["resident_tokens"] for b in views)
                 queued = int(model["queue_depth"])
+                held = tuple(int(b["resident_tokens"]) for b in views)
+                targets = tuple(int(b["admission_target_tokens"]) for b in views)
         kv_use = usage / len(self.sims)  # equal pools: the mean is the whole pool's share
         self.samples.append(Sample(
             t=t, kv_use=kv_use, resident=round(kv_use * self.capacity), reserved=reserved,
             capacity=self.capacity, queued=queued, engine_waiting=waiting, running=running,
             preemptions=preemptions, kv_per_backend=tuple(per_backend),
-            client_held=client_held(self.results)))
+            client_held=client_held(self.results), reserved_per_backend=held,
+            target_per_backend=targets))
 
     async def preemptions(self) -> int:
         async with aiohttp.ClientSession() as s:

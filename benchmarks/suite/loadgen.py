@@ -13,6 +13,13 @@ content chunks: the model's end, played by the client, so that neither kvgate no
 engine is ever told the length. An engine error event mid-stream (llama-server's
 `error:` line, kvgate's `event: error`, a `data:` line holding an `error`) is recorded
 as `stream_error`.
+
+With `retries` (kvgate targets), a client refused with a retryable status (429 or 503
+carrying `Retry-After`) waits what it was told (`retry-after-ms` when given, as the
+SDKs read it, else `Retry-After`; at most `retry_cap_s`) and sends the same body once
+more with the `x-kvgate-ticket` it got. The retry's TTFT and latency are then counted
+from the ORIGINAL send, so it meets the SLO only if the whole wait does; the refused
+first try stays on the result as `first`.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ ABANDONED = "abandoned"
 STREAM_ERROR = "stream_error"
 ENDED_EARLY = "ended_early"  # the stream ended before the length the client hangs up at
 SAMPLE_EVERY_S = 0.2
+RETRYABLE = (429, 503)
+TICKET_HEADER = "x-kvgate-ticket"
+RETRY_CAP_S = 10.0
 
 
 @dataclass(slots=True)
@@ -52,10 +62,31 @@ class Result:
     hung_up: bool = False  # the client closed the stream at the recorded output length
     finish: str | None = None  # the last finish_reason streamed, if any
     last_line: bytes = b""  # the stream's last non-empty line (what an early end said)
+    message: str = ""  # an error body's message (tells a predicted refusal from a wait)
+    retry_after_s: float | None = None  # what a refusal said to wait (retry-after-ms first)
+    ticket: str | None = None  # a refusal's x-kvgate-ticket
+    first: Result | None = None  # the refused first try, when this is its retry
+    retry_wait_s: float | None = None  # how long the client waited before the retry
+    from_first_s: float = 0.0  # a retry: its send less the first try's (added to its times)
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.code is None
+
+    @property
+    def refused_try(self) -> Result | None:
+        """The refused try this request began with (the first of a retried one, or the
+        request itself when refused and not retried); None when not refused at once."""
+        if self.first is not None:
+            return self.first
+        return self if self.status in RETRYABLE else None
+
+    @property
+    def refusal_s(self) -> float | None:
+        """From this try's send to its refusal, for a refused try (its own clock)."""
+        if self.status not in RETRYABLE or self.latency_s is None:
+            return None
+        return self.latency_s - self.from_first_s
 
 
 @dataclass(slots=True, kw_only=True)
@@ -74,6 +105,10 @@ class Sample:
     # token and are still open: what the engines hold, seen from the clients (None: not
     # tracked)
     client_held: int | None = None
+    # kvgate's view per backend (empty when direct): reserved (resident_tokens) and the
+    # admission target, in tokens, in the engines' order
+    reserved_per_backend: tuple[int, ...] = ()
+    target_per_backend: tuple[int, ...] = ()
 
     @property
     def saturated(self) -> bool:
@@ -125,9 +160,13 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, An
         wait = resp.headers.get("x-kvgate-queue-wait-ms")
         result.queue_wait_s = float(wait) / 1000 if wait is not None else None
         if resp.status != 200:
+            result.latency_s = time.perf_counter() - start  # the refusal's arrival
             data = await resp.json(content_type=None)
-            result.code = str(data.get("error", {}).get("code"))
-            result.latency_s = time.perf_counter() - start
+            error = data.get("error", {}) if isinstance(data, dict) else {}
+            result.code = str(error.get("code"))
+            result.message = str(error.get("message") or "")[:300]
+            result.retry_after_s = _retry_after(resp.headers)
+            result.ticket = resp.headers.get(TICKET_HEADER)
             return
         if not body.get("stream"):
             data = await resp.json()
@@ -164,6 +203,20 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, An
         result.latency_s = time.perf_counter() - start
 
 
+def _retry_after(headers: Any) -> float | None:
+    """What a refusal says to wait: `retry-after-ms` (as the SDKs read it first), else
+    `Retry-After` in seconds; None when neither parses."""
+    for name, scale in (("retry-after-ms", 1e-3), ("Retry-After", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            return max(0.0, float(value) * scale)
+        except ValueError:
+            continue
+    return None
+
+
 async def run_open_loop(
     targets: Sequence[str], specs: Sequence[RequestSpec], builder: PromptBuilder, *,
     hard_stop_s: float, behaviour: Behaviour, deadline_s: float | None = None,
@@ -171,7 +224,7 @@ async def run_open_loop(
     give_up_s: float | None = None, route: Callable[[dict[str, Any]], int] | None = None,
     hang_up_at_output: bool = False, watch: Callable[[list[Result]], Any] | None = None,
     body_extra: dict[str, Any] | None = None, sim_fields: bool = True,
-    fresh_connections: bool = False,
+    fresh_connections: bool = False, retries: int = 0, retry_cap_s: float = RETRY_CAP_S,
 ) -> Run:
     """Send each spec at its arrival time, round-robin over `targets`, or to
     `targets[route(body)]` when `route` is given.
@@ -188,7 +241,11 @@ async def run_open_loop(
     before the first request (for sampling what the open streams hold).
     `fresh_connections`: one connection per request (llama-server closes the connection
     after every streamed answer, so a pooled one may be stale when reused).
+    `retries` (0 or 1): a refused request waits its Retry-After (at most `retry_cap_s`)
+    and tries once more with its ticket (see the module's note).
     """
+    if retries not in (0, 1):
+        raise ValueError("retries: 0 or 1")
     results = [Result(spec=s, deadline_s=deadline_s) for s in specs]
     bodies = [builder.body(s, behaviour=behaviour, sim_fields=sim_fields) | (body_extra or {})
               for s in specs]
@@ -207,10 +264,22 @@ async def run_open_loop(
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - t0)))
             headers = {"x-kvgate-priority": spec.priority} if spec.priority else {}
             results[i].backend = picks[i]
+            hang_up_at = spec.output_tokens if hang_up_at_output else None
             try:
                 await _one(session, targets[picks[i]], bodies[i], headers,
-                           results[i], t0, give_up_s,
-                           spec.output_tokens if hang_up_at_output else None)
+                           results[i], t0, give_up_s, hang_up_at)
+                first = results[i]
+                if retries and first.status in RETRYABLE and first.retry_after_s is not None:
+                    # the retry stands in the live list while it waits: open, not refused
+                    retry = Result(spec=spec, deadline_s=deadline_s, backend=picks[i],
+                                   first=first)
+                    results[i] = retry
+                    retry.retry_wait_s = min(retry_cap_s, first.retry_after_s)
+                    await asyncio.sleep(retry.retry_wait_s)
+                    again = headers | ({TICKET_HEADER: first.ticket} if first.ticket else {})
+                    await _one(session, targets[picks[i]], bodies[i], again, retry, t0,
+                               give_up_s, hang_up_at)
+                    _from_first_send(retry, first)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 results[i].code = f"client_error:{type(exc).__name__}"
             finally:
@@ -232,6 +301,16 @@ async def run_open_loop(
                 await sampling
         bar.close()
     return Run(label=label, results=results, duration_s=duration)
+
+
+def _from_first_send(retry: Result, first: Result) -> None:
+    """A retry's TTFT and latency counted from the first try's send: what the user
+    waited, refusal and Retry-After included."""
+    shift = retry.from_first_s = retry.sent_s - first.sent_s
+    if retry.ttft_s is not None:
+        retry.ttft_s += shift
+    if retry.latency_s is not None:
+        retry.latency_s += shift
 
 
 async def _sample_loop(sampler: Callable[[float], Any], t0: float) -> None:

@@ -69,7 +69,7 @@ def summarize(run: Run, *, slo_ttft_s: float, window_s: float,
     codes = Counter(r.code or f"http_{r.status}" for r in run.results if not completed(r))
     waits = [r.queue_wait_s if r.queue_wait_s is not None else 0.0 for r in done]
     waits_all = waits + [INF] * (len(run.results) - len(done))
-    timeouts = [r.latency_s - r.deadline_s for r in run.results
+    timeouts = [r.latency_s - r.from_first_s - r.deadline_s for r in run.results
                 if r.code == "queue_timeout" and r.latency_s is not None
                 and r.deadline_s is not None]
     samples = run.samples
@@ -257,7 +257,7 @@ def prefix_summary(run: Run, *, slo_ttft_s: float, window_s: float) -> PrefixSum
     away = [r for r in run.results if not completed(r) and r.code != TURNED_AWAY]
     idle = 0
     for r in away:
-        sample = _nearest(run.samples, r.sent_s + (r.latency_s or 0.0))
+        sample = _nearest(run.samples, r.sent_s - r.from_first_s + (r.latency_s or 0.0))
         if sample is None:
             continue
         others = [u for b, u in enumerate(sample.kv_per_backend) if gated or b != r.backend]

@@ -251,3 +251,29 @@ class PromptBuilder:
                 raise AssertionError(f"prompt built for {n} tokens counts {counted}")
             self._checked.add(n)
         return messages
+
+
+def bursty_long_prompts(*, rate_per_s: float, duration_s: float, seed: int,
+                        max_prompt: int, max_output: int, on_s: tuple[float, float] = (1.0, 4.0),
+                        off_s: tuple[float, float] = (1.0, 4.0)) -> list[RequestSpec]:
+    """Shaped like a code-completion service: long prompts (lognormal, median 3,000
+    tokens), short answers (lognormal, median 60, 8 to `max_output`), arriving in on-off
+    bursts: Poisson at `rate_per_s` during an on-phase, nothing during an off-phase, each
+    phase's length drawn uniformly from its range (seeded, not periodic). The mean rate
+    over the window is about `rate_per_s` x the on share (a half on average); the caller
+    calibrates it on a long draw."""
+    rng = random.Random(seed)
+    out: list[RequestSpec] = []
+    t = 0.0
+    on = True
+    while t < duration_s:
+        span = rng.uniform(*(on_s if on else off_s))
+        if on:
+            for dt in _poisson(rng, rate_per_s, min(span, duration_s - t)):
+                prompt = int(min(max_prompt, rng.lognormvariate(math.log(3000), 0.5)))
+                output = int(min(max_output, rng.lognormvariate(math.log(60), 0.8)))
+                out.append(RequestSpec(arrival_s=t + dt, prompt_tokens=max(256, prompt),
+                                       output_tokens=max(8, output)))
+        t += span
+        on = not on
+    return out
