@@ -387,9 +387,13 @@ def _notes(summaries: list[Summary], failed: list[str]) -> str:
     notes = [f"did not run: {f}" for f in failed]
     for s in summaries:
         over = s.worst_timeout_overshoot_s
-        if over is not None:
+        if over is not None and over >= 0:
             notes.append(f"{s.label}: queue_timeout answered at most {over * 1000:.0f} ms "
                          f"past the {DEADLINE_S:.0f} s deadline")
+        elif over is not None:  # every one refused as predicted late, before its deadline
+            notes.append(f"{s.label}: every queue_timeout answered before the "
+                         f"{DEADLINE_S:.0f} s deadline (the latest {-over * 1000:.0f} ms "
+                         "before it)")
     return "\n".join(f"- {n}" for n in notes)
 
 
