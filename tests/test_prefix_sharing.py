@@ -175,3 +175,50 @@ def test_cache_salt_keeps_prefixes_apart() -> None:
             a.close()
 
     asyncio.run(scenario())
+
+
+def test_block_keys_are_sampled_while_no_prefix_is_met_and_come_back_with_one() -> None:
+    """After MISSES_BEFORE_SAMPLING unique prompts that met no known prefix, kvgate
+    computes keys for one request in SAMPLE_EVERY (the others are charged their whole
+    prompt, as prefix-blind, and leave no keys behind); the first sampled request that
+    meets a prefix an earlier keyed request left (a repeated system prompt) brings keys
+    back for every request, and the next one is charged only for what it does not
+    share. So sharing that starts is found within 2 x SAMPLE_EVERY requests."""
+    from proxy.sharing import MISSES_BEFORE_SAMPLING, SAMPLE_EVERY
+
+    async def state(s: aiohttp.ClientSession, stack: Stack) -> dict[str, Any]:
+        async with s.get(stack.url + "/admin/state") as resp:
+            data: dict[str, Any] = (await resp.json())["models"][MODEL]["prefix_keys"]
+            return data
+
+    async def scenario() -> None:
+        async with running_stack(backends=1, engine={"decode_step_ms": 1.0}) as stack, \
+                aiohttp.ClientSession() as s:
+            for i in range(MISSES_BEFORE_SAMPLING):
+                await ask(s, stack, [{"role": "user", "content": f"unique question {i} " * 20}])
+            assert await state(s, stack) == {"sampling": True, "skipped": 0}
+            for i in range(SAMPLE_EVERY - 1):  # not sampled: whole prompt, no keys
+                headers, _ = await ask(s, stack, chat(f"Question {i}?"))
+                assert "x-kvgate-shared-prefix-tokens" not in headers  # no keys, no blocks
+            assert await state(s, stack) == {"sampling": True, "skipped": SAMPLE_EVERY - 1}
+            # sampled: keyed, its blocks are remembered once answered; it met nothing
+            # kvgate knew (the unsampled ones left no keys behind)
+            await ask(s, stack, chat("One more?"))
+            assert await state(s, stack) == {"sampling": True, "skipped": SAMPLE_EVERY - 1}
+            for i in range(SAMPLE_EVERY - 1):
+                await ask(s, stack, chat(f"Question {i} again?"))
+            # the next sampled one meets the system prompt the last sampled one left
+            await ask(s, stack, chat("And one more?"))
+            skipped = 2 * (SAMPLE_EVERY - 1)
+            assert await state(s, stack) == {"sampling": False, "skipped": skipped}
+            a, _ = await open_stream(s, stack, chat("What is rule 3?"), 400)
+            headers, data = await ask(s, stack, chat("And rule 7?"))
+            shared = expected_shared(chat("What is rule 3?"), chat("And rule 7?"))
+            assert int(headers["x-kvgate-shared-prefix-tokens"]) == shared
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared
+            a.close()
+            async with asyncio.timeout(5):
+                while stack.resident()["sim-0"]:
+                    await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
