@@ -141,9 +141,6 @@ class AdminViews:
                 }} if g.tracker is not None else {}),
                 "capacity_source": g.config.capacity_source,
                 "reservation": g.config.reservation.value,
-                # block keys for one request in SAMPLE_EVERY while no prefix is met
-                "prefix_keys": {"sampling": g.sharing_probe.sampling,
-                                "skipped": g.sharing_probe.skipped},
                 "backends": {b.name: self.backend_view(g, b, now) for b in c.backends},
             }
         return web.json_response(out)

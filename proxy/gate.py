@@ -52,7 +52,7 @@ from proxy.reservation import (
     ReservationTracker,
     follow_adaptively,
 )
-from proxy.sharing import SharingProbe, counted_with_blocks, scope_of
+from proxy.sharing import counted_with_blocks, scope_of
 from proxy.tickets import Tickets
 from proxy.tokenize import CountFailed, PromptCounter, RenderedChat, TemplateError
 from proxy.tokenize.chunked import CountExceeded
@@ -112,7 +112,6 @@ class Gate:
                              for b, bc in zip(backends, config.backends, strict=True)}
         for b in backends:
             self.controller.set_shares_prefixes(b, self._kind_shares[b.name])
-        self.sharing_probe = SharingProbe()  # keys only while prefixes are met
         self.tracker: ReservationTracker | None = None
         self.targets: dict[str, AdmissionTarget] = {}
         if config.reservation is ReservationMode.ADAPTIVE:
@@ -194,8 +193,7 @@ class Gate:
             self._refuse_what_never_fits(req)
         # Block keys come with the exact count (in this process, the pool or a count
         # worker), before admission (so not on a bound).
-        sharing = (any(b.shares_prefixes for b in self.backends)
-                   and (ask.prompt_tokens is not None or self.sharing_probe.wanted()))
+        sharing = any(b.shares_prefixes for b in self.backends)
         rendered = None if sharing else self._render(ask)
         if rendered is not None and self._may_admit_on_bound(req, rendered):
             assert rendered.max_tokens is not None
@@ -251,9 +249,6 @@ class Gate:
             record.reserved_tokens = demand.tokens - lease.shared_tokens
             record.shared_tokens = lease.shared_tokens
             self.metrics.shared_prefix(lease.backend.name, lease.shared_tokens)
-            if ask.prompt_tokens is None:
-                self.sharing_probe.met(lease.shared_tokens > 0 or any(
-                    self.controller.prefixes.held(b, demand)[1] > 0 for b in self.backends))
         self.metrics.admitted(self.name, reserved_tokens=record.reserved_tokens,
                               waited_s=record.queue_wait_ms / 1000)
         return self._admitted(lease, demand, output_cap, ask, record)

@@ -17,54 +17,7 @@ from proxy.count_workers import CountWorkers
 from proxy.tokenize import PromptCounter, TokenCounter
 from proxy.validation import ValidRequest
 
-__all__ = ["SharingProbe", "counted_with_blocks", "scope_of"]
-
-# A run of this many keyed requests in a row that met no prefix kvgate knows (no other
-# lease's ready block, no block its engine recently held) switches to sampling: keys
-# for one request in `SAMPLE_EVERY`; the first sampled request that meets one switches
-# back. bench_peers (unique ~1,000-token prompts): block keys and the shared-block
-# bookkeeping took ~20% of the loop's time where nothing is ever shared.
-MISSES_BEFORE_SAMPLING = 64
-SAMPLE_EVERY = 8
-
-
-class SharingProbe:
-    """Whether a request's block keys are worth computing: always while prefixes are
-    being met, one in `SAMPLE_EVERY` after `MISSES_BEFORE_SAMPLING` requests that met
-    none. A request without keys is charged its whole prompt (prefix-blind, the safe
-    side) and leaves no block behind, so sharing that starts is found by the second
-    sampled request that carries the prefix: within 2 x `SAMPLE_EVERY` requests of it
-    (tests/test_prefix_sharing.py).
-    """
-
-    __slots__ = ("_every", "_misses", "_needed", "_since_sample", "skipped")
-
-    def __init__(self, *, misses_before_sampling: int = MISSES_BEFORE_SAMPLING,
-                 sample_every: int = SAMPLE_EVERY) -> None:
-        self._needed = misses_before_sampling
-        self._every = sample_every
-        self._misses = 0
-        self._since_sample = 0
-        self.skipped = 0  # requests admitted without keys (for /admin/state and tests)
-
-    @property
-    def sampling(self) -> bool:
-        return self._misses >= self._needed
-
-    def wanted(self) -> bool:
-        """Whether to compute the next request's keys."""
-        if not self.sampling:
-            return True
-        self._since_sample += 1
-        if self._since_sample >= self._every:
-            self._since_sample = 0
-            return True
-        self.skipped += 1
-        return False
-
-    def met(self, prefix_known: bool) -> None:
-        """What a keyed request found: a prefix kvgate knows, or none."""
-        self._misses = 0 if prefix_known else self._misses + 1
+__all__ = ["counted_with_blocks", "scope_of"]
 
 
 def scope_of(model: str, req: ValidRequest) -> str:
