@@ -29,6 +29,7 @@ from tests.support.engines import (
     TINY_MODEL,
     EngineProcess,
     answer,
+    assert_served_to_the_context_end,
     bounded,
     chat_of,
     completion_of,
@@ -206,18 +207,8 @@ def test_over_context_max_tokens_served_to_the_context_end(
                 fresh_session() as s, bounded(60):
             direct = await answer(s, llama512.url, path, body)
             via = await answer(s, stack.url, path, body)
-            assert direct["status"] == 200, direct
-            assert via["status"] == 200, via
-            assert via["finish"] == direct["finish"] == "length"
-            assert via["usage"] == direct["usage"]
-            assert via["usage"]["prompt_tokens"] == PROMPT_AT_END
-            assert via["usage"]["completion_tokens"] == SLOT - PROMPT_AT_END
-            assert via["text"] == direct["text"]
-            assert via["headers"]["x-kvgate-prompt-tokens"] == str(PROMPT_AT_END)
-            assert via["headers"]["x-kvgate-reserved-tokens"] == str(SLOT)
-            if stream:
-                assert via["done"] and direct["done"]
-                assert via["errors"] == direct["errors"] == []
+            assert_served_to_the_context_end(direct, via, prompt_tokens=PROMPT_AT_END,
+                                             context=SLOT, stream=stream)
             assert await reserved_now(s, stack.url) == NOTHING_HELD
 
     asyncio.run(scenario())

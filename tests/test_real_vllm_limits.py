@@ -37,6 +37,7 @@ from tests.support.engines import (
     TINY_MODEL,
     EngineProcess,
     answer,
+    assert_served_to_the_context_end,
     bounded,
     chat_of,
     completion_of,
@@ -119,18 +120,8 @@ def test_over_context_max_tokens_served_to_the_context_end(
                 bounded(120):
             direct = await answer(s, vllm.url, path, body)
             via = await answer(s, stack.url, path, body)
-            assert direct["status"] == 200, direct
-            assert via["status"] == 200, via
-            assert via["finish"] == direct["finish"] == "length"
-            assert via["usage"] == direct["usage"]
-            assert via["usage"]["prompt_tokens"] == PROMPT_AT_END
-            assert via["usage"]["completion_tokens"] == MAX_LEN - PROMPT_AT_END
-            assert via["text"] == direct["text"]
-            assert via["headers"]["x-kvgate-prompt-tokens"] == str(PROMPT_AT_END)
-            assert via["headers"]["x-kvgate-reserved-tokens"] == str(MAX_LEN)
-            if stream:
-                assert via["done"] and direct["done"]
-                assert via["errors"] == direct["errors"] == []
+            assert_served_to_the_context_end(direct, via, prompt_tokens=PROMPT_AT_END,
+                                             context=MAX_LEN, stream=stream)
             assert await reserved_now(s, stack.url) == NOTHING_HELD
 
     asyncio.run(scenario())

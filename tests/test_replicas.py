@@ -213,6 +213,43 @@ def test_redis_restart_gives_503_then_exact_accounting(
         asyncio.run(scenario())
 
 
+@contextlib.contextmanager
+def adaptive_cluster(tmp: Path, server: RedisServer, kv_tokens: int = 8192
+                     ) -> Iterator[tuple[list[Proc], list[Proc]]]:
+    """Three adaptive replicas on `server` in front of two simulated engines whose
+    answers end at EOS (the simulator's lognormal draw, median 64)."""
+    procs: list[Proc] = []
+    try:
+        sims = [start_sim(tmp, kv_tokens=kv_tokens, decode_step_ms=5.0, name=f"sim{i}",
+                          output_len="lognormal") for i in range(2)]
+        procs += sims
+        proxies = [start_proxy(tmp, name=f"proxy{i}", redis_url=server.url, sims=sims,
+                               kv_tokens=kv_tokens, ttl_s=5.0, queue={"max_depth": 128},
+                               reservation="adaptive") for i in range(3)]
+        procs += proxies
+        for p in procs:
+            p.wait_ready()
+        yield proxies, sims
+    finally:
+        for p in procs:
+            p.kill()
+
+
+async def assert_all_released(s: aiohttp.ClientSession, r: redis.Redis,
+                              proxies: list[Proc]) -> None:
+    """Redis' resident counters back to zero, every replica's gauges and leases too."""
+    async with asyncio.timeout(10):
+        while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
+            await asyncio.sleep(0.05)
+    await gauges_read_zero(s, proxies)
+    for p in proxies:
+        async with s.get(f"{p.url}/admin/state") as resp:
+            state = await resp.json()
+        for backend in state["models"]["qwen3-14b"]["backends"].values():
+            assert backend["leases"] == 0
+            assert backend["inflight"] == 0
+
+
 def test_three_adaptive_replicas_under_3x_overload_keep_preemptions_rare(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -220,19 +257,8 @@ def test_three_adaptive_replicas_under_3x_overload_keep_preemptions_rare(
     median 64): adaptive leases share one ceiling, the engines barely preempt, and every
     lease and the ledger are back to zero at the end. Pools of 8,192 tokens hold ~17
     requests of ~400 prompt tokens each, the proportions of a real pool."""
-    kv_tokens = 8192
     r = redis.Redis.from_url(redis_server.url)
-    procs: list[Proc] = []
-    try:
-        sims = [start_sim(tmp_path, kv_tokens=kv_tokens, decode_step_ms=5.0, name=f"sim{i}",
-                          output_len="lognormal") for i in range(2)]
-        proxies = [start_proxy(tmp_path, name=f"proxy{i}", redis_url=redis_server.url,
-                               sims=sims, kv_tokens=kv_tokens, ttl_s=5.0,
-                               queue={"max_depth": 128}, reservation="adaptive")
-                   for i in range(3)]
-        procs = [*sims, *proxies]
-        for p in procs:
-            p.wait_ready()
+    with adaptive_cluster(tmp_path, redis_server) as (proxies, sims):
 
         async def scenario() -> None:
             async with aiohttp.ClientSession() as s:
@@ -266,21 +292,9 @@ def test_three_adaptive_replicas_under_3x_overload_keep_preemptions_rare(
                 # adaptive leases really were smaller than prompt + 1,000
                 assert min(int(t) for t in admitted) < 1000
                 assert preemptions <= len(admitted) // 100
-                async with asyncio.timeout(10):
-                    while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
-                        await asyncio.sleep(0.05)
-                await gauges_read_zero(s, proxies)
-                for p in proxies:
-                    async with s.get(f"{p.url}/admin/state") as resp:
-                        state = await resp.json()
-                    for backend in state["models"]["qwen3-14b"]["backends"].values():
-                        assert backend["leases"] == 0
-                        assert backend["inflight"] == 0
+                await assert_all_released(s, r, proxies)
 
         asyncio.run(scenario())
-    finally:
-        for p in procs:
-            p.kill()
 
 
 GROUP_RULES = [" ".join(f"Group {g} rule {i}: answer briefly, cite the rule, stay on topic."
@@ -296,19 +310,8 @@ def test_three_replicas_share_prefixes_under_3x_overload_and_end_at_zero(
     shared blocks are charged once across the replicas (answers report the hits), the
     engines barely preempt, and at the end every lease, every block reference and
     every ready mark in Redis is gone and the resident counters read zero."""
-    kv_tokens = 8192
     r = redis.Redis.from_url(redis_server.url)
-    procs: list[Proc] = []
-    try:
-        sims = [start_sim(tmp_path, kv_tokens=kv_tokens, decode_step_ms=5.0, name=f"sim{i}",
-                          output_len="lognormal") for i in range(2)]
-        proxies = [start_proxy(tmp_path, name=f"proxy{i}", redis_url=redis_server.url,
-                               sims=sims, kv_tokens=kv_tokens, ttl_s=5.0,
-                               queue={"max_depth": 128}, reservation="adaptive")
-                   for i in range(3)]
-        procs = [*sims, *proxies]
-        for p in procs:
-            p.wait_ready()
+    with adaptive_cluster(tmp_path, redis_server) as (proxies, sims):
 
         async def scenario() -> None:
             async with aiohttp.ClientSession() as s:
@@ -347,21 +350,9 @@ def test_three_replicas_share_prefixes_under_3x_overload_and_end_at_zero(
                 hits = sum(1 for x in shared if x >= 900)
                 assert hits >= len(admitted) // 2, (hits, len(admitted))  # charged once
                 assert preemptions <= len(admitted) // 100, (preemptions, len(admitted))
-                async with asyncio.timeout(10):
-                    while any(int(v or 0) for v in r.mget([resident_key(b) for b in BACKENDS])):
-                        await asyncio.sleep(0.05)
+                await assert_all_released(s, r, proxies)
                 for b in BACKENDS:
                     assert r.hlen(f"kvgate-test:{{{b}}}:refs") == 0, b
                     assert r.scard(f"kvgate-test:{{{b}}}:ready") == 0, b
-                await gauges_read_zero(s, proxies)
-                for p in proxies:
-                    async with s.get(f"{p.url}/admin/state") as resp:
-                        state = await resp.json()
-                    for backend in state["models"]["qwen3-14b"]["backends"].values():
-                        assert backend["leases"] == 0
-                        assert backend["inflight"] == 0
 
         asyncio.run(scenario())
-    finally:
-        for p in procs:
-            p.kill()

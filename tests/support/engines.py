@@ -350,3 +350,22 @@ async def reserved_now(s: aiohttp.ClientSession, kvgate_url: str, model: str = T
             break
         await asyncio.sleep(0.05)
     return held
+
+
+def assert_served_to_the_context_end(direct: dict[str, Any], via: dict[str, Any], *,
+                                     prompt_tokens: int, context: int, stream: bool) -> None:
+    """A prompt + max_tokens past the context, straight to the engine (`direct`) and
+    through kvgate (`via`): both 200, stopped at the context's end ("length") with the
+    same text and usage, kvgate's count the engine's and its reservation the context."""
+    assert direct["status"] == 200, direct
+    assert via["status"] == 200, via
+    assert via["finish"] == direct["finish"] == "length"
+    assert via["usage"] == direct["usage"]
+    assert via["usage"]["prompt_tokens"] == prompt_tokens
+    assert via["usage"]["completion_tokens"] == context - prompt_tokens
+    assert via["text"] == direct["text"]
+    assert via["headers"]["x-kvgate-prompt-tokens"] == str(prompt_tokens)
+    assert via["headers"]["x-kvgate-reserved-tokens"] == str(context)
+    if stream:
+        assert via["done"] and direct["done"]
+        assert via["errors"] == direct["errors"] == []
