@@ -582,7 +582,7 @@ def test_a_waiter_that_can_no_longer_start_in_time_is_refused_before_its_deadlin
 
 def test_a_newcomer_that_smaller_arrivals_would_pass_is_refused_at_once() -> None:
     """Releases run at 100 tokens/s into a full pool; 2,250 tokens of 30-token requests
-    joined the queue in the last 30 s (75 tokens/s). A 50-token request needs 0.5 s in
+    joined the queue 30 s ago (75 tokens/s over the window). A 50-token request needs 0.5 s in
     queue order, but the smaller arrivals take 75 of every 100 tokens released before
     it: 2 s, past its 0.8 s. Refused at once, Retry-After that 2 s. A 20-token request,
     which nothing smaller passes, needs 0.2 s: it waits and gets in."""
@@ -592,6 +592,7 @@ def test_a_newcomer_that_smaller_arrivals_would_pass_is_refused_at_once() -> Non
         t0 = loop.time()
         clock = [t0]
         busy_releases(c, clock, 100)
+        clock[0] = t0 - 29.0  # a whole window seen by the time the newcomers come
         for _ in range(75):
             c.release_rate.queued(30)
         clock[0] = t0 + 1.0
