@@ -508,6 +508,8 @@ def main() -> None:
                         help="run every cell K times; print each run, then the medians")
     parser.add_argument("--profile", type=Path,
                         help="record kvgate with py-spy into this file (svg, or .txt: raw)")
+    parser.add_argument("--profile-baseline", action="store_true",
+                        help="profile the --baseline kvgate instead of this one")
     args = parser.parse_args()
     if args.role:
         serve_role(args.role, args.port, args.upstream, args.upstream_close)
@@ -545,7 +547,8 @@ def main() -> None:
         if args.profile:
             exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
             fmt = "raw" if args.profile.suffix == ".txt" else "flamegraph"
-            spy = subprocess.Popen([exe, "record", "--pid", str(kv.pid), "--threads",
+            spied = pids[BASELINE] if args.profile_baseline else kv.pid
+            spy = subprocess.Popen([exe, "record", "--pid", str(spied), "--threads",
                                     "--format", fmt, "-o", str(args.profile), "--rate", "250"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         print(f"{args.requests} requests per target per cell in {args.rounds} interleaved "
