@@ -177,9 +177,10 @@ class PairRates:
 
 
 # Redis keeps a hash of up to `hash-max-listpack-entries` fields (512 by default) as a
-# listpack, which every HGET and HINCRBY scans: a backend's block refs are one hash,
-# so while it holds fewer distinct blocks than that, each of a pair's 256 keys costs a
-# scan of them. `joined_wide` measures the same pair over a hash past that size.
+# listpack, which every HMGET and HSET scans: a backend's block refs are one hash, and
+# while it held fewer distinct blocks than that each of a pair's 256 keys cost a scan
+# of them, until the ledger kept the hash a hash table (`REFS_WIDE_FIELD` in
+# `proxy.redis_scripts`). `joined_wide` measures the same pair beside 512 more blocks.
 _WIDE_BLOCKS = 512
 
 

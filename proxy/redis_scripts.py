@@ -7,14 +7,16 @@ Redis Cluster slot); `key_prefix` keeps deployments apart on one server:
     <prefix>:{<backend>}:leases     hash lease_id -> tokens, plus the epoch fields
                                     `=epoch` (a random id) and `=until` (Redis ms)
     <prefix>:{<backend>}:expiry     zset lease_id -> expiry (Redis server ms)
-    <prefix>:{<backend>}:refs       hash block key -> live leases referencing it
+    <prefix>:{<backend>}:refs       hash block key -> live leases referencing it, and
+                                    one field that keeps it a hash table
+                                    (`REFS_WIDE_FIELD`)
     <prefix>:{<backend>}:ready      set of block keys free to share (`proxy.ledger`)
 
 A lease's value in the hash is what it holds outside the shared blocks it references
 (its "own" tokens); the keys it references are the field `#<lease_id>`: the block
 size, '|', then the keys, each 16 hex digits, end to end. The block size is also the
-field `=bt`. So resident = sum of own + `=bt` x HLEN(refs), and a block is charged
-once however many leases reference it. A 100k-token prompt in 16-token blocks is
+field `=bt`. So resident = sum of own + `=bt` x the block keys in refs, and a block is
+charged once however many leases reference it. A 100k-token prompt in 16-token blocks is
 6,250 keys: 100 kB in its lease field plus ~6,250 `refs` fields (about 0.6 MB of
 Redis memory while it runs); its reserve script loops over them once (a few ms).
 
@@ -64,13 +66,22 @@ logged as an error; the detection above still holds.
 
 from __future__ import annotations
 
-__all__ = ["LOST", "READY_LUA", "REBUILDING", "RECLAIM_LUA", "RELEASE_LUA", "RENEW_LUA",
-           "RESERVE_LUA", "RESIZE_LUA", "STALE"]
+__all__ = ["LOST", "READY_LUA", "REBUILDING", "RECLAIM_LUA", "REFS_WIDE_FIELD", "RELEASE_LUA",
+           "RENEW_LUA", "RESERVE_LUA", "RESIZE_LUA", "STALE"]
 
 # Scripts' KEYS: [1] resident counter, [2] leases hash (with the epoch fields), [3] expiry
 # zset, [4] block refs hash, [5] ready blocks set. Field names starting with '=' (byte 61)
 # are the epoch's (and the block size), with '#' (byte 35) a lease's block keys; lease
 # ids start with neither.
+
+# The refs hash's one field that is not a block key. Redis keeps a hash of small fields
+# as a listpack, which every HMGET and HSET scans field by field: while a backend held
+# fewer than `hash-max-listpack-entries` (512) distinct blocks, each of a lease's keys
+# cost a scan of all of them. A field name past `hash-max-listpack-value` (64 bytes)
+# makes Redis convert the hash to a hash table, and it never converts one back.
+# bench_ledger, 256-block leases, 16 in flight, x the cost of a pair without blocks:
+# joining a ready prefix 9.1-10.0x -> 3.1-3.6x, registering a new one 4.2-7.2x -> 3.4-3.8x.
+REFS_WIDE_FIELD = "=" + "w" * 64
 
 _NOW = """
 local t = redis.call('TIME')
@@ -82,6 +93,14 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 _SUM = """
 -- keys per HMGET/HSET/SADD call: unpack() puts them on Lua's C stack (8,000 slots)
 local CHUNK = 2000
+-- the refs hash's one field that is not a block (`REFS_WIDE_FIELD`)
+local WIDE = '""" + REFS_WIDE_FIELD + """'
+local function wide(refs_key)
+  redis.call('HSETNX', refs_key, WIDE, '0')
+end
+local function blocks_held()
+  return redis.call('HLEN', KEYS[4]) - redis.call('HEXISTS', KEYS[4], WIDE)
+end
 local function lease_sum()
   local all = redis.call('HGETALL', KEYS[2])
   local sum, n = 0, 0
@@ -93,7 +112,7 @@ local function lease_sum()
     end
   end
   local bt = tonumber(redis.call('HGET', KEYS[2], '=bt') or '0')
-  return sum + bt * redis.call('HLEN', KEYS[4]), n
+  return sum + bt * blocks_held(), n
 end
 local function resident()
   local r = redis.call('GET', KEYS[1])
@@ -268,6 +287,7 @@ redis.call('INCRBY', KEYS[1], adds)
 redis.call('HSET', KEYS[2], ARGV[1], tokens - bt * #refs)
 if #refs > 0 then
   redis.call('HSET', KEYS[2], '#' .. ARGV[1], ARGV[8] .. '|' .. table.concat(refs), '=bt', bt)
+  wide(KEYS[4])
   for c = 1, #refs, CHUNK do
     local pairs_ = {}
     for j = c, math.min(c + CHUNK - 1, #refs) do
@@ -381,6 +401,7 @@ for i = 6, #ARGV, 4 do
       local bar = string.find(list, '|', 1, true)
       local bt = tonumber(string.sub(list, 1, bar - 1))
       redis.call('HSET', KEYS[2], '#' .. id, list, '=bt', bt)
+      wide(KEYS[4])
       for j = bar + 1, #list, 16 do
         local k = string.sub(list, j, j + 15)
         if redis.call('HINCRBY', KEYS[4], k, 1) == 1 then adds = adds + bt end

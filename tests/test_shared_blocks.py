@@ -27,7 +27,7 @@ from proxy.ledger import Ledger, MemoryLedger
 from proxy.prefix_view import PrefixView
 from proxy.recent_blocks import RecentBlocks
 from proxy.redis_ledger import RedisLedger
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, block_fields
 from tests.support.tcp_tap import reply_dropping_relay
 
 BT = 16  # tokens per block
@@ -169,10 +169,47 @@ def test_redis_ledger_matches_the_engine_over_random_lease_sets(
             for b in ("a", "b"):
                 keys = led.keys(b)
                 assert await admin.get(keys[0]) == b"0"
-                assert await admin.hlen(keys[3]) == 0  # every refcount back to zero
+                # every refcount back to zero
+                assert block_fields(await admin.hkeys(keys[3])) == []
                 assert await admin.scard(keys[4]) == 0
             await admin.aclose()
         finally:
+            await led.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_refs_hash_is_a_hash_table_and_its_extra_field_is_never_charged(
+    redis_server: RedisServer,
+) -> None:
+    """A backend's refs hash holds its one extra field from its first block on, so Redis
+    keeps it a hash table, never a listpack scanned field by field; the field counts
+    for nothing when the resident counter is recomputed from the leases."""
+    async def scenario() -> None:
+        led = RedisLedger(redis_server.url, backends=["a"], key_prefix="w",
+                          recovery_window_s=0)
+        await led.start()
+        admin = aioredis.Redis.from_url(redis_server.url)
+        try:
+            keys = led.keys("a")
+            blocks = [key(7, i) for i in range(4)]
+            assert await led.reserve("a", "l1", 100, 1000, blocks, BT)
+            assert await admin.object("ENCODING", keys[3]) == b"hashtable"
+            assert sorted(block_fields(await admin.hkeys(keys[3]))) == [
+                b.encode() for b in blocks]
+            await admin.delete(keys[0])  # the counter lost: recomputed from the leases
+            assert await led.reserve("a", "l2", 10, 1000)
+            assert await led.resident_now("a") == 110
+            led.release("l1")
+            led.release("l2")
+            await led.drain()
+            assert await led.resident_now("a") == 0
+            assert block_fields(await admin.hkeys(keys[3])) == []
+            await admin.delete(keys[0])
+            assert await led.reserve("a", "l3", 10, 1000)
+            assert await led.resident_now("a") == 10  # the extra field alone holds nothing
+        finally:
+            await admin.aclose()
             await led.close()
 
     asyncio.run(scenario())
@@ -488,7 +525,7 @@ def test_redis_reserve_retried_after_a_lost_reply_records_the_blocks_redis_recor
                 led.release(retried)
                 await led.drain()
                 assert await led.resident_now("a") == 0
-                assert await admin.hlen(keys[3]) == 0
+                assert block_fields(await admin.hkeys(keys[3])) == []
                 assert led.shared_resident("a") == 0
             finally:
                 relay.drop_replies = False

@@ -8,6 +8,14 @@ import subprocess
 import time
 from pathlib import Path
 
+from proxy.redis_scripts import REFS_WIDE_FIELD
+
+
+def block_fields(fields: list[bytes]) -> list[bytes]:
+    """The fields of a backend's refs hash that are block keys: all but the one that
+    keeps the hash a hash table (`proxy.redis_scripts.REFS_WIDE_FIELD`)."""
+    return [f for f in fields if f != REFS_WIDE_FIELD.encode()]
+
 
 def free_port() -> int:
     with socket.socket() as s:
