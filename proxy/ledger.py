@@ -27,6 +27,7 @@ cold start is charged as if nothing were shared until the first one answers.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -114,12 +115,15 @@ class _MemoryLease:
 
 
 class _Blocks:
-    """One backend's shared blocks: key -> [references, ready]."""
+    """One backend's shared blocks: key -> live leases referencing it, and the ready
+    ones. A count dict and a set rather than one record per key, so a lease whose keys
+    are all new (every unique prompt) is recorded and readied by C-level bulk updates."""
 
-    __slots__ = ("refs", "tokens")
+    __slots__ = ("count", "ready", "tokens")
 
     def __init__(self) -> None:
-        self.refs: dict[str, list[int]] = {}
+        self.count: dict[str, int] = {}
+        self.ready: set[str] = set()
         self.tokens = 0  # block_tokens x distinct blocks referenced
 
 
@@ -158,25 +162,32 @@ class MemoryLedger:
             raise ValueError(f"{len(blocks)} blocks of {block_tokens} tokens exceed the "
                              f"lease's {tokens} tokens")
         table = self._blocks.setdefault(backend, _Blocks())
-        refs: list[str] = []
-        joined = new = 0
-        for key in dict.fromkeys(blocks):  # a key twice in one prompt is one block
-            entry = table.refs.get(key)
-            if entry is None:
-                refs.append(key)
-                new += 1
-            elif entry[1]:
-                refs.append(key)
-                joined += 1
-            # registered but not ready: paid for in full, not referenced
+        count = table.count
+        unique = list(dict.fromkeys(blocks))  # a key twice in one prompt is one block
+        if count.keys().isdisjoint(unique):  # none of it held here: all new
+            refs, joined, new = unique, 0, len(unique)
+        else:
+            refs = []
+            joined = new = 0
+            ready = table.ready
+            for key in unique:
+                if key not in count:
+                    refs.append(key)
+                    new += 1
+                elif key in ready:
+                    refs.append(key)
+                    joined += 1
+                # registered but not ready: paid for in full, not referenced
         shared = joined * block_tokens
         adds = tokens - shared
         resident = self._resident.get(backend, 0)
         if resident + adds > capacity:
             return False
-        for key in refs:
-            entry = table.refs.setdefault(key, [0, False])
-            entry[0] += 1
+        if joined:
+            for key in refs:
+                count[key] = count.get(key, 0) + 1
+        else:
+            count.update(dict.fromkeys(refs, 1))
         table.tokens += new * block_tokens
         self._resident[backend] = resident + adds
         self._leases[lease_id] = _MemoryLease(backend, tokens, refs, block_tokens, shared)
@@ -206,22 +217,30 @@ class MemoryLedger:
             return
         freed = lease.own
         table = self._blocks[lease.backend]
-        for key in lease.refs:
-            entry = table.refs[key]
-            entry[0] -= 1
-            if entry[0] == 0:
-                del table.refs[key]
-                freed += lease.block_tokens
-                table.tokens -= lease.block_tokens
+        count = table.count
+        gone: list[str] = []
+        if lease.refs and max(map(count.__getitem__, lease.refs)) == 1:
+            gone = lease.refs  # it alone held them (every unique prompt): one C-level pass
+            deque(map(count.__delitem__, gone), maxlen=0)
+        else:
+            for key in lease.refs:
+                n = count[key] - 1
+                if n:
+                    count[key] = n
+                else:
+                    del count[key]
+                    gone.append(key)
+        if gone:
+            table.ready.difference_update(gone)
+            freed += lease.block_tokens * len(gone)
+            table.tokens -= lease.block_tokens * len(gone)
         self._resident[lease.backend] -= freed
 
     def mark_ready(self, lease_id: str) -> None:
         lease = self._leases.get(lease_id)
         if lease is None:
             return
-        table = self._blocks[lease.backend]
-        for key in lease.refs:
-            table.refs[key][1] = True
+        self._blocks[lease.backend].ready.update(lease.refs)
 
     def shared_tokens(self, lease_id: str) -> int:
         lease = self._leases.get(lease_id)
@@ -231,10 +250,10 @@ class MemoryLedger:
         table = self._blocks.get(backend)
         if table is None:
             return 0
+        ready = table.ready
         n = 0
         for key in blocks:
-            entry = table.refs.get(key)
-            if entry is None or not entry[1]:
+            if key not in ready:
                 break
             n += 1
         return n
