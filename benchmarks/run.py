@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import math
 import os
 import shlex
 import statistics
@@ -26,21 +25,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.suite.cluster import (
-    AffinityRing,
-    GateSettings,
-    SimParams,
-    StartFailed,
-    Target,
-    cluster,
+from benchmarks.suite.cluster import GateSettings, SimParams, StartFailed, Target, cluster
+from benchmarks.suite.engine_run import (
+    DEADLINE_S,
+    DEFAULT_STARVATION_S,
+    SLO_TTFT_S,
+    Limits,
+    Scenario,
+    engine_sections,
+    notes_of,
+    run_target,
+    runs_for,
 )
-from benchmarks.suite.llamacpp import LLAMA_BODY, LlamaParams, Probe, llama_cluster, probe
-from benchmarks.suite.loadgen import RETRY_CAP_S, Run, run_closed_loop, run_open_loop
+from benchmarks.suite.llamacpp import LlamaParams, llama_engine, llama_header, probe
+from benchmarks.suite.loadgen import RETRY_CAP_S, Run, run_closed_loop
 from benchmarks.suite.refusals import acceptance as deadline_acceptance
 from benchmarks.suite.refusals import refusal_table, summarize_refusals, timeline
 from benchmarks.suite.report import (
@@ -48,9 +50,6 @@ from benchmarks.suite.report import (
     acceptance,
     by_class,
     class_table,
-    completed,
-    engine_comparison,
-    is_engine_failure,
     ms,
     pct,
     plot,
@@ -59,6 +58,7 @@ from benchmarks.suite.report import (
     summarize,
     table,
 )
+from benchmarks.suite.vllm import VllmParams, VllmPool, vllm_header, vllm_probe, vllm_version
 from benchmarks.suite.workloads import (
     Behaviour,
     PromptBuilder,
@@ -75,25 +75,27 @@ from benchmarks.suite.workloads import (
 from proxy.tokenize import load_counter
 
 ROOT = Path(__file__).resolve().parent.parent
-SLO_TTFT_S = 3.0
-DEADLINE_S = 3.0
-DEFAULT_STARVATION_S = 5.0  # kvgate's default: above the deadline, so pure backfill
 HOL_STARVATION_S = 1.0  # below the deadline: a long waiter does reach the head's protection
 MAX_PROMPT, MAX_OUTPUT = 6000, 1000
 SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "B", "G", "Gz", "overhead")
 BURSTY_MAX_OUTPUT = 200  # code completion: short answers
-CLASSIC_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.STRICT, Target.ADAPTIVE)
 PREFIX_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.AFFINITY_TIMEOUT,
                   Target.ADAPTIVE_PREFIX_OFF, Target.ADAPTIVE)
 PREFIX_BACKENDS = 4
 GROUPS, SYSTEM_TOKENS, QUESTION_TOKENS = 8, 2048, 256
 ZIPF_S = 1.2  # Gz: the hot group takes 43% of the requests, the coldest 3.5%
-ENGINES = ("sim", "llama.cpp")
+ENGINES = ("sim", "llama.cpp", "vllm")
+ENGINE_SCENARIOS = ("S1", "S2")
 # llama.cpp: two servers of 4,096-token unified pools, 4 slots each; the trace clipped
 # so that its longest request fits a pool with room to spare and ~3 mean requests fill one
 LLAMA = LlamaParams(ctx_size=4096, parallel=4)
 LLAMA_MAX_PROMPT, LLAMA_MAX_OUTPUT = 2000, 500
-LLAMA_SCENARIOS = ("S1", "S2")
+LLAMA_SCENARIOS = ENGINE_SCENARIOS
+# vLLM CPU: two servers of 4,096-token pools (129 blocks of 32, one the null block),
+# max_model_len 2,048 (a cap-2048 request is a whole context); the trace clipped so that
+# its longest request fits a context and ~4 mean requests fill a pool
+VLLM = VllmParams(num_blocks=129, block_size=32, max_model_len=2048, max_num_seqs=16)
+VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT = 1000, 250
 
 
 def rate_for(load: float, specs: list[RequestSpec], params: SimParams,
@@ -136,63 +138,6 @@ def rate_for_shared(load: float, specs: list[RequestSpec], params: SimParams,
 
 def rescale(specs: list[RequestSpec], factor: float) -> list[RequestSpec]:
     return [replace(s, arrival_s=s.arrival_s / factor) for s in specs]
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    key: str
-    title: str
-    specs: list[RequestSpec]
-    orderings: tuple[str, ...] = ("fifo",)
-    starvation_s: float = DEFAULT_STARVATION_S
-    params: SimParams | None = None  # None: the suite's (prefix caching off)
-    backends: int = 2
-    targets: tuple[Target, ...] = CLASSIC_TARGETS  # when --targets is not given
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    duration_s: float  # arrival window; goodput is per second of it
-    drain_s: float  # after the window, before the hard stop
-
-    @property
-    def hard_stop_s(self) -> float:
-        return self.duration_s + self.drain_s
-
-
-async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
-                     params: SimParams, target: Target, behaviour: Behaviour,
-                     ordering: str, label: str, limits: Limits, starvation_s: float,
-                     backends: int = 2, llama: LlamaParams | None = None,
-                     retries: int = 0) -> Run:
-    """One run on fresh processes; raises StartFailed when the cluster does not come up.
-    `llama` given: llama-servers of those pools instead of simulated backends.
-    `retries`: a refused client retries once after its Retry-After (kvgate targets)."""
-    gate = None
-    if target.proxy:
-        gate = GateSettings(deadline_s=DEADLINE_S, ordering=ordering, starvation_s=starvation_s,
-                            output_policy="fill", reservation=target.reservation,
-                            prefix_sharing=target.prefix_sharing)
-    route = None
-    if target is Target.AFFINITY_TIMEOUT:
-        route = AffinityRing(backends).backend
-    real = llama is not None
-    backends_cm = (llama_cluster(llama, gate=gate, backends=backends) if llama is not None
-                   else cluster(params, gate=gate, backends=backends))
-    with backends_cm as c:
-        run = await run_open_loop(
-            c.targets, specs, builder, hard_stop_s=limits.hard_stop_s,
-            deadline_s=DEADLINE_S if target.proxy else None,
-            give_up_s=DEADLINE_S if target.gives_up else None, route=route,
-            behaviour=behaviour, label=f"{key} {behaviour}: {label}", sampler=c.sample,
-            watch=c.watch, hang_up_at_output=real, sim_fields=not real,
-            body_extra=LLAMA_BODY if real else None, fresh_connections=real,
-            retries=retries if target.proxy else 0)
-        run.samples = c.samples
-        run.totals = await c.engine_totals()
-        run.preemptions = int(run.totals["preemptions"])
-    run.label = label
-    return run
 
 
 def plan_scenarios(duration_s: float, params: SimParams,
@@ -369,34 +314,6 @@ def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,
     return out, header
 
 
-def _runs_for(scenario: Scenario, targets: Sequence[Target]) -> list[tuple[Target, str, str]]:
-    """(target, ordering, label): kvgate targets once per ordering the scenario compares."""
-    out = []
-    for target in targets:
-        if not target.proxy:
-            out.append((target, "fifo", target.label))
-            continue
-        for ordering in scenario.orderings:
-            label = target.label if len(scenario.orderings) == 1 else (
-                f"{target.label} {ordering}")
-            out.append((target, ordering, label))
-    return out
-
-
-def _notes(summaries: list[Summary], failed: list[str]) -> str:
-    notes = [f"did not run: {f}" for f in failed]
-    for s in summaries:
-        over = s.worst_timeout_overshoot_s
-        if over is not None and over >= 0:
-            notes.append(f"{s.label}: queue_timeout answered at most {over * 1000:.0f} ms "
-                         f"past the {DEADLINE_S:.0f} s deadline")
-        elif over is not None:  # every one refused as predicted late, before its deadline
-            notes.append(f"{s.label}: every queue_timeout answered before the "
-                         f"{DEADLINE_S:.0f} s deadline (the latest {-over * 1000:.0f} ms "
-                         "before it)")
-    return "\n".join(f"- {n}" for n in notes)
-
-
 def _refusal_part(key: str, behaviour: Behaviour, runs: list[Run],
                   summaries: list[Summary], out: Path) -> str:
     """Refusal latency, retries, capacity unused while requests waited; the acceptance
@@ -471,7 +388,7 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
               flush=True)
         runs: list[Run] = []
         failed: list[str] = []
-        plan = [(t, o, label, 0) for t, o, label in _runs_for(scenario, targets)]
+        plan = [(t, o, label, 0) for t, o, label in runs_for(scenario, targets)]
         if retries:
             plan += [(t, o, f"{label} +retry", retries) for t, o, label, _ in plan
                      if t.proxy]
@@ -494,7 +411,7 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
             plot(runs, f"{scenario.key}, client behaviour `{behaviour}`: {scenario.title}",
                  image)
         part = (f"### {scenario.key}, client behaviour `{behaviour}`\n\n{table(summaries)}"
-                f"\n\n{_notes(summaries, failed)}")
+                f"\n\n{notes_of(summaries, failed)}")
         if runs and not prefix:
             part += "\n\n" + _refusal_part(scenario.key, behaviour, runs, summaries, out)
         if prefix and runs:
@@ -523,119 +440,6 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
     if bound:
         sections.insert(2, bound)
     return sections
-
-
-async def engine_sections(out: Path, scenario: Scenario, builder: PromptBuilder,
-                          sim: SimParams, llama: LlamaParams,
-                          behaviours: Sequence[Behaviour], targets: Sequence[Target] | None,
-                          limits: Limits, twin: bool = True) -> list[str]:
-    """One scenario on llama-server, and (`twin`) on the simulator fitted to it, the
-    same requests at the same times: both tables, plots and their comparison."""
-    targets = scenario.targets if targets is None else targets
-    sections = [f"## {scenario.key}: {scenario.title}\n\n{len(scenario.specs)} requests "
-                f"arriving over {limits.duration_s:.0f} s; hard stop at "
-                f"{limits.hard_stop_s:.0f} s; kvgate ordering fifo, starvation_s "
-                f"{scenario.starvation_s:g} s."]
-    gaps: list[tuple[Behaviour, str, float, float]] = []
-    for behaviour in behaviours:
-        print(f"{scenario.key} {behaviour}: {len(scenario.specs)} requests", file=sys.stderr,
-              flush=True)
-        by_engine: dict[str, list[Run]] = {"llama.cpp": [], "sim": []}
-        failed: dict[str, list[str]] = {"llama.cpp": [], "sim": []}
-        for target, ordering, label in _runs_for(scenario, targets):
-            for engine in ("llama.cpp", "sim") if twin else ("llama.cpp",):
-                try:
-                    by_engine[engine].append(await run_target(
-                        scenario.key, scenario.specs, builder, sim, target, behaviour,
-                        ordering, label, limits, scenario.starvation_s, scenario.backends,
-                        llama=llama if engine == "llama.cpp" else None))
-                except StartFailed as exc:
-                    failed[engine].append(f"{label}: {exc}")
-        summaries = {e: [summarize(r, slo_ttft_s=SLO_TTFT_S, window_s=limits.duration_s,
-                                   gated=r.label.startswith("kvgate")) for r in rs]
-                     for e, rs in by_engine.items()}
-        part = [f"### {scenario.key}, client behaviour `{behaviour}`"]
-        sim_by = {s.label: (s, r) for s, r in zip(summaries["sim"], by_engine["sim"],
-                                                  strict=True)}
-        pairs = []
-        for s_real, r_real in zip(summaries["llama.cpp"], by_engine["llama.cpp"],
-                                  strict=True):
-            s_sim, r_sim = sim_by.get(s_real.label, (None, None))
-            pairs.append((s_real, r_real, s_sim, r_sim))
-            if s_sim is not None:
-                gaps.append((behaviour, s_real.label, s_real.goodput_per_s,
-                             s_sim.goodput_per_s))
-        if pairs:
-            part.append("llama.cpp against the simulator fitted to it (same pools, slots, "
-                        "step time and prefill rate; same requests):\n\n"
-                        + engine_comparison(pairs))
-        for engine, what in (("llama.cpp", "llama-server"),
-                             ("sim", "the fitted simulator")):
-            if not (by_engine[engine] or failed[engine]):
-                continue
-            notes = _notes(summaries[engine], failed[engine])
-            text = f"On {what}:\n\n{table(summaries[engine])}" if summaries[engine] else \
-                f"On {what}: no run."
-            if engine == "llama.cpp":
-                alive = [r.label for r in by_engine[engine]
-                         if r.totals.get("engines_alive", 1.0) < 1.0]
-                if alive:
-                    notes += f"\n- a llama-server process died during: {', '.join(alive)}"
-                notes += "".join(f"\n- {r.label}: {_failure_evidence(r)}"
-                                 for r in by_engine[engine] if _failure_evidence(r))
-            part.append(text + (f"\n\n{notes}" if notes else ""))
-            if by_engine[engine]:
-                image = out / f"{scenario.key}-{behaviour}-{engine}.png"
-                plot(by_engine[engine], f"{scenario.key}, `{behaviour}`, on {what}", image)
-                part.append(f"![{scenario.key} {behaviour} {engine}]({image.name})")
-        sections.append("\n\n".join(part))
-    if gaps:
-        sections.append(_gap_section(scenario.key, gaps))
-    return sections
-
-
-def _failure_evidence(run: Run) -> str:
-    """What the engine's failures said: each kind with its count and the stream's last
-    line (or the error body's code) as the client read it."""
-    seen: Counter[str] = Counter()
-    for r in run.results:
-        code = r.code or f"http_{r.status}"
-        if completed(r) or not is_engine_failure(code):
-            continue
-        said = r.last_line.decode(errors="replace").strip()[:160] or f"status {r.status}"
-        finish = f", finish_reason {r.finish}" if r.finish else ""
-        seen[f"{code} (`{said}`{finish})"] += 1
-    return "; ".join(f"{n} x {what}" for what, n in seen.most_common(3)) + (
-        f"; {sum(seen.values()) - sum(n for _, n in seen.most_common(3))} more"
-        if len(seen) > 3 else "")
-
-
-def _gap_section(key: str, gaps: list[tuple[Behaviour, str, float, float]]) -> str:
-    """How far apart engine and simulator are: goodput ratio per cell, and whether the
-    targets rank the same on both."""
-    rows = []
-    logs = []
-    for behaviour, label, real, sim in gaps:
-        ratio = real / sim if sim else None
-        if ratio:
-            logs.append(abs(math.log(ratio)))
-        rows.append(f"| {behaviour} | {label} | {real:.2f} | {sim:.2f} | "
-                    f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
-    ranks = []
-    for behaviour in dict.fromkeys(b for b, *_ in gaps):
-        cells = [(label, real, sim) for b, label, real, sim in gaps if b == behaviour]
-        by_real = [c[0] for c in sorted(cells, key=lambda c: -c[1])]
-        by_sim = [c[0] for c in sorted(cells, key=lambda c: -c[2])]
-        same = "the same order" if by_real == by_sim else "a different order"
-        ranks.append(f"`{behaviour}`: llama.cpp ranks {' > '.join(by_real)}; the simulator "
-                     f"{' > '.join(by_sim)} ({same})")
-    spread = (f"Geometric mean distance of the goodput ratio from 1: "
-              f"{math.exp(statistics.mean(logs)):.2f}x over {len(logs)} cells with goodput "
-              "on both. " if logs else "")
-    return (f"### {key}: how far apart llama.cpp and the simulator are\n\n"
-            "| behaviour | target | goodput/s llama.cpp | goodput/s sim | llama.cpp / sim |\n"
-            "|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n" + spread
-            + "Ranking by goodput: " + "; ".join(ranks) + ".")
 
 
 def _foreknowledge_bound(goodput: dict[tuple[Behaviour, str], float],
@@ -777,11 +581,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "group's system prompt once (shared, default) or on the whole "
                              "prompt per request (unshared)")
     parser.add_argument("--engine", choices=ENGINES, default="sim",
-                        help="the backends: kvgate's simulator (default), or two llama.cpp "
-                             "llama-servers (S1, S2 only; each cell also runs on the "
-                             "simulator fitted to them unless --no-sim-twin)")
+                        help="the backends: kvgate's simulator (default), two llama.cpp "
+                             "llama-servers or two vLLM CPU servers (S1, S2 only; each "
+                             "cell also runs on the simulator fitted to them unless "
+                             "--no-sim-twin)")
     parser.add_argument("--no-sim-twin", action="store_true",
-                        help="--engine llama.cpp: skip the fitted simulator's runs")
+                        help="--engine llama.cpp / vllm: skip the fitted simulator's runs")
     parser.add_argument("--quick", action="store_true",
                         help="short windows for development: numbers are noisier")
     parser.add_argument("--overhead-scale", type=float, default=1.0)
@@ -792,86 +597,81 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def llama_plan(duration_s: float, wanted: set[str], llama: LlamaParams, sim: SimParams,
-               starvation_s: float | None = None) -> tuple[list[Scenario], str]:
-    """S1 / S2 for llama-server: the trace clipped to the small pools, calibrated on the
+def engine_plan(engine: str, duration_s: float, wanted: set[str], sim: SimParams,
+                max_prompt: int, max_output: int,
+                starvation_s: float | None = None) -> tuple[list[Scenario], str]:
+    """S1 / S2 for a real engine: the trace clipped to its small pools, calibrated on the
     simulator fitted to the servers (`Probe.sim_params`)."""
-    bad = wanted - set(LLAMA_SCENARIOS)
+    bad = wanted - set(ENGINE_SCENARIOS)
     if bad:
-        raise SystemExit(f"--engine llama.cpp runs {', '.join(LLAMA_SCENARIOS)} only; "
+        raise SystemExit(f"--engine {engine} runs {', '.join(ENGINE_SCENARIOS)} only; "
                          f"not {', '.join(sorted(bad))}")
     scenarios, header = plan_scenarios(duration_s, sim, wanted, ("fifo",), starvation_s,
-                                       max_prompt=LLAMA_MAX_PROMPT,
-                                       max_output=LLAMA_MAX_OUTPUT)
+                                       max_prompt=max_prompt, max_output=max_output)
     header = header.replace("Pool: 2 simulated", "The simulator twin's pool: 2 simulated", 1)
     header = header.replace("Every request carries", "Every request to the simulator carries",
                             1)
     return scenarios, header
 
 
-def llama_header(llama: LlamaParams, measured: Probe, sim: SimParams, version: str) -> str:
-    steps = ", ".join(f"{n} stream{'s' if n > 1 else ''} each: {ms:.2f} ms"
-                      for n, ms in sorted(measured.step_ms.items()))
-    return (
-        f"Engine: 2 llama.cpp `llama-server`s ({version}), the tiny random-weight Qwen3 "
-        f"(real Qwen3 tokenizer and chat template), each `--ctx-size {llama.ctx_size} "
-        f"--parallel {llama.parallel} --kv-unified --threads {llama.threads}`: one "
-        f"{llama.ctx_size:,}-token KV pool per server shared by {llama.parallel} slots. "
-        "kvgate in front: `kind = \"llama.cpp\"`, `slots = "
-        f"{llama.parallel}`, `kv_tokens = max_model_len = {llama.ctx_size}`, `block_size = "
-        "1`, `prefix_sharing = \"off\"`; the `adaptive` target is written as "
-        "`reservation = \"adaptive\"` as it is for the simulator.\n\n"
-        f"Measured before the runs, both servers at once ({measured.prompt_tokens}-word "
-        f"prompts, {measured.output_tokens} tokens, {measured.wall_s:.0f} s): time per "
-        f"token of one stream with {steps}; prefill about "
-        f"{measured.prefill_tokens_per_s:,.0f} tokens/s (first token of the single streams). "
-        f"The simulator twin is fitted to that: {sim.kv_tokens:,} KV tokens and at most "
-        f"{sim.max_num_seqs} running sequences per backend, decode step "
-        f"{sim.decode_step_ms} ms + {sim.per_seq_ms} ms per running sequence, prefill "
-        f"{sim.prefill_tokens_per_s:,.0f} tokens/s, max_model_len {sim.max_model_len:,}, "
-        "no prefix caching. Loads are calibrated as for the simulator (Little's law at the "
-        "recorded lengths on the fitted step time), so 1x is the same rate for both.\n\n"
-        "What differs from the simulator's runs: (1) the model never samples EOS, so each "
-        "client closes its stream once it has read the request's recorded output length in "
-        "content chunks (the model's end played by the client; llama-server stops the "
-        "request when the connection goes, kvgate releases its lease on the disconnect); "
-        "no body carries that length, neither as `max_tokens` nor as `sim_output_tokens` "
-        "(the simulator's runs send `sim_output_tokens`, which only the simulator reads); "
-        "a llama-server chunk can hold more than one token, so an answer may run a few "
-        "tokens past its recorded length before the client hangs up; (2) bodies to "
-        "llama-server carry `\"cache_prompt\": false`, `\"temperature\": 0` (greedy: the "
-        "random model then never picks its end-of-generation token; sampled, it does now "
-        "and then) and the model name `tiny-qwen3`; "
-        "(3) llama.cpp preempts nothing: when a server's pool overflows its running "
-        "requests fail (an error status, an error event mid-stream, or an answer that "
-        "ends short of its length: all counted as engine failures), where the simulator "
-        "preempts and recomputes as vLLM does; (4) llama-server reports no KV use, so the "
-        "KV figures compared are the clients' view (prompt + tokens streamed so far over "
-        "the open streams, as a share of both pools), taken the same way on both; "
-        "(5) llama-server computes on the same 2 CPU cores as the clients, kvgate and "
-        "whatever else runs on the machine, the simulator only sleeps.")
+def llama_plan(duration_s: float, wanted: set[str], llama: LlamaParams, sim: SimParams,
+               starvation_s: float | None = None) -> tuple[list[Scenario], str]:
+    return engine_plan("llama.cpp", duration_s, wanted, sim, LLAMA_MAX_PROMPT,
+                       LLAMA_MAX_OUTPUT, starvation_s)
+
+
+def vllm_plan(duration_s: float, wanted: set[str], sim: SimParams,
+              starvation_s: float | None = None) -> tuple[list[Scenario], str]:
+    return engine_plan("vllm", duration_s, wanted, sim, VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT,
+                       starvation_s)
+
+
+def _mean_prompt(max_prompt: int, max_output: int) -> int:
+    lengths = replay(load_azure("azure_llm_2023_conv_slice.csv"), rate_per_s=1.0,
+                     duration_s=10**6, max_prompt=max_prompt, max_output=max_output)
+    return round(statistics.mean(s.prompt_tokens for s in lengths))
 
 
 def llama_sections(out: Path, wanted: set[str], builder: PromptBuilder,
                    args: argparse.Namespace, limits: Limits) -> list[str]:
     from tests.support.engines import llama_server_binary
 
-    lengths = replay(load_azure("azure_llm_2023_conv_slice.csv"), rate_per_s=1.0,
-                     duration_s=10**6, max_prompt=LLAMA_MAX_PROMPT,
-                     max_output=LLAMA_MAX_OUTPUT)
     version_file = llama_server_binary().parents[1] / "version.txt"
     version = (version_file.read_text().strip() if version_file.exists()
                else llama_server_binary().parent.parent.name)
-    measured = probe(LLAMA, prompt_tokens=round(statistics.mean(
-        s.prompt_tokens for s in lengths)))
+    measured = probe(LLAMA, prompt_tokens=_mean_prompt(LLAMA_MAX_PROMPT, LLAMA_MAX_OUTPUT))
     sim = measured.sim_params(LLAMA)
     scenarios, header = llama_plan(limits.duration_s, wanted, LLAMA, sim, args.starvation_s)
     sections = [llama_header(LLAMA, measured, sim, version), header]
     for scenario in scenarios:
-        sections += asyncio.run(engine_sections(out, scenario, builder, sim, LLAMA,
-                                                args.behaviours, args.targets, limits,
+        sections += asyncio.run(engine_sections(out, scenario, builder, sim,
+                                                llama_engine(LLAMA), args.behaviours,
+                                                args.targets, limits,
                                                 twin=not args.no_sim_twin))
     return sections
+
+
+def vllm_sections(out: Path, wanted: set[str], builder: PromptBuilder,
+                  args: argparse.Namespace, limits: Limits) -> list[str]:
+    """S1 / S2 on two vLLM CPU servers started once for the run (`VllmPool`)."""
+    from tests.support.engines import vllm_python
+
+    version = vllm_version(vllm_python())
+    pool = VllmPool(VLLM)
+    try:
+        pool.ensure()
+        measured = vllm_probe(pool, _mean_prompt(VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT))
+        sim = measured.sim_params(VLLM)
+        scenarios, header = vllm_plan(limits.duration_s, wanted, sim, args.starvation_s)
+        body: list[str] = []
+        for scenario in scenarios:
+            body += asyncio.run(engine_sections(out, scenario, builder, sim, pool.engine(),
+                                                args.behaviours, args.targets, limits,
+                                                twin=not args.no_sim_twin))
+    finally:
+        healthy, restarts = list(pool.healthy_after_s), pool.restarts
+        pool.close()
+    return [vllm_header(VLLM, measured, sim, version, healthy, restarts), header, *body]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -888,6 +688,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     builder = PromptBuilder(load_counter(ROOT / "models" / "qwen3-14b"))
     if args.engine == "llama.cpp":
         sections = llama_sections(out, wanted, builder, args, limits)
+    elif args.engine == "vllm":
+        sections = vllm_sections(out, wanted, builder, args, limits)
     else:
         scenarios, header = plan_scenarios(duration, params, wanted, args.s4_orderings,
                                            args.starvation_s, builder.group_overhead,
