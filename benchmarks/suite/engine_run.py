@@ -121,30 +121,35 @@ async def _probe_stream(s: aiohttp.ClientSession, url: str, body_extra: dict[str
 
 async def measure_streams(urls: list[str], body: dict[str, Any], *, prompt_tokens: int,
                           concurrency: Sequence[int] = (1, 3), output_tokens: int = 160,
-                          fresh_connections: bool = False) -> Probe:
+                          fresh_connections: bool = False, rounds: int = 1) -> Probe:
     """All servers at once, `n` streams each for each n in `concurrency`: decode time per
     token of one stream at that load (median over the streams), and prefill rate from
-    the single streams' first token. `body` is merged into every probe request (vLLM's
-    probe adds `ignore_eos` so that every stream runs its whole length: a probe, not
-    traffic). Bounded: a few requests, 120 s."""
+    the single streams' first token. Warmed up first with a short request and one of the
+    probe's prompt length per server (the first long prefill of a fresh server pays
+    one-time costs). `rounds` > 1: every n is measured that many times, the medians over
+    all of them (a shared machine's noise). `body` is merged into every probe request
+    (vLLM's probe adds `ignore_eos` so that every stream runs its whole length: a
+    probe, not traffic). Bounded: a few requests, 180 s."""
     started = time.perf_counter()
-    steps: dict[int, float] = {}
+    per_n: dict[int, list[float]] = {n: [] for n in concurrency}
     prefill: list[float] = []
     connector = aiohttp.TCPConnector(force_close=fresh_connections)
-    async with aiohttp.ClientSession(connector=connector) as s, asyncio.timeout(120):
+    async with aiohttp.ClientSession(connector=connector) as s, asyncio.timeout(180):
         await asyncio.gather(*(_probe_stream(s, u, body, 32, 8) for u in urls))  # warm up
-        for n in concurrency:
-            got = await asyncio.gather(*(_probe_stream(s, u, body, prompt_tokens,
-                                                       output_tokens)
-                                         for u in urls for _ in range(n)))
-            steps[n] = 1000 * statistics.median(
-                (end - first) / max(1, chunks - 1) for first, end, chunks in got)
-            if n == min(concurrency):
-                prefill += [prompt_tokens / first for first, _, _ in got]
+        if rounds > 1:
+            await asyncio.gather(*(_probe_stream(s, u, body, prompt_tokens, 8) for u in urls))
+        for _ in range(rounds):
+            for n in concurrency:
+                got = await asyncio.gather(*(_probe_stream(s, u, body, prompt_tokens,
+                                                           output_tokens)
+                                             for u in urls for _ in range(n)))
+                per_n[n] += [(end - first) / max(1, chunks - 1) for first, end, chunks in got]
+                if n == min(concurrency):
+                    prefill += [prompt_tokens / first for first, _, _ in got]
+    steps = {n: 1000 * statistics.median(v) for n, v in per_n.items()}
     return Probe(prompt_tokens=prompt_tokens, output_tokens=output_tokens, step_ms=steps,
                  prefill_tokens_per_s=statistics.median(prefill),
                  wall_s=time.perf_counter() - started)
-
 
 @dataclass(frozen=True, slots=True)
 class Scenario:

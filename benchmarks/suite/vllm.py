@@ -211,15 +211,17 @@ class VllmPool:
 
 def vllm_probe(pool: VllmPool, prompt_tokens: int, concurrency: Sequence[int] = (1, 3),
                output_tokens: int = 160) -> Probe:
-    """The pool's servers at once, as `engine_run.measure_streams` measures them; the probe
-    (not the runs) sends `ignore_eos`, so that every probe stream runs its whole length."""
+    """The pool's servers at once, as `engine_run.measure_streams` measures them, warmed
+    up at the probe's prompt length and measured twice (a first run on a busy machine
+    read 569 tokens/s of prefill where a quiet one reads ~8,500); the probe (not the
+    runs) sends `ignore_eos`, so that every probe stream runs its whole length."""
     import asyncio
 
     urls = [e.url for e in pool.ensure()]
     pool.wait_idle()
     return asyncio.run(measure_streams(urls, {**VLLM_BODY, "ignore_eos": True},
                                        prompt_tokens=prompt_tokens, concurrency=concurrency,
-                                       output_tokens=output_tokens))
+                                       output_tokens=output_tokens, rounds=2))
 
 
 def vllm_header(params: VllmParams, measured: Probe, sim: SimParams, version: str,
@@ -246,9 +248,10 @@ def vllm_header(params: VllmParams, measured: Probe, sim: SimParams, version: st
         "are the growth of `vllm:num_preemptions_total` over it; with prefix caching off "
         "no state carries from one cell to the next. kvgate is started fresh per cell, "
         "and so are the simulator twin's processes.\n\n"
-        f"Measured before the runs, both servers at once ({measured.prompt_tokens}-word "
-        f"prompts, {measured.output_tokens} tokens, `ignore_eos` in the probe only, "
-        f"{measured.wall_s:.0f} s): time per token of one stream with {steps}; prefill "
+        f"Measured before the runs, both servers at once, after a warm-up at the probe's "
+        f"length, each load twice ({measured.prompt_tokens}-word prompts, "
+        f"{measured.output_tokens} tokens, `ignore_eos` in the probe only, "
+        f"{measured.wall_s:.0f} s; medians): time per token of one stream with {steps}; prefill "
         f"about {measured.prefill_tokens_per_s:,.0f} tokens/s (first token of the single "
         f"streams). The simulator twin is fitted to that: {sim.kv_tokens:,} KV tokens and "
         f"at most {sim.max_num_seqs} running sequences per backend, decode step "
