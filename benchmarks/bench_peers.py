@@ -25,6 +25,8 @@ requests and in time.
     .venv/bin/python -m benchmarks.bench_peers --baseline /tmp/kvgate-main  # a 2nd checkout
     .venv/bin/python -m benchmarks.bench_peers --kvgate-env KVGATE_FAST_BPE=0
     .venv/bin/python -m benchmarks.bench_peers --profile kvgate.svg   # py-spy, if installed
+    .venv/bin/python -m benchmarks.bench_peers --engine vllm --concurrency 1 4 8 \\
+        --requests 48 --max-tokens 32   # direct: one vLLM CPU server (a few minutes)
 """
 
 from __future__ import annotations
@@ -426,7 +428,8 @@ def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0,
-                  prefix_sharing: str | None = None, llama_slots: int = 0) -> Path:
+                  prefix_sharing: str | None = None, llama_slots: int = 0,
+                  vllm_dir: Path | None = None) -> Path:
     tmp.mkdir(exist_ok=True)
     config = tmp / "kvgate.toml"
     server: dict[str, object] = {"listen": f"127.0.0.1:{port}"}
@@ -442,17 +445,29 @@ def kvgate_config(tmp: Path, port: int, upstream: str, count_workers: int = 0,
         model = {"max_model_len": LLAMA_CTX, "reservation": "strict",
                  "deployment": {"kv_tokens": LLAMA_CTX, "block_size": 1},
                  "prefix_sharing": "off"}
+    name, path = MODEL, MODEL_DIR
+    if vllm_dir is not None:  # one vLLM CPU server: its served name, pool and block size
+        backend = {"name": "vllm", "url": upstream, "kind": "vllm"}
+        model = {"max_model_len": VLLM_MAX_LEN, "reservation": "adaptive",
+                 "deployment": {"kv_tokens": (VLLM_BLOCKS - 1) * VLLM_BLOCK,
+                                "block_size": VLLM_BLOCK},
+                 "prefix_sharing": "off"}
+        name, path = VLLM_NAME, vllm_dir
     config.write_text(tomli_w.dumps({
         "server": server,
         "queue": {"max_depth": 4096},
         # The mode is written, not left to the default: both kvgates run the same mode.
-        "models": [{"name": MODEL, "path": str(MODEL_DIR), **model,
+        "models": [{"name": name, "path": str(path), **model,
                     "backends": [backend], **extra}],
     }))
     return config
 
 
 LLAMA_CTX, LLAMA_SLOTS = 8192, 4  # --engine llama.cpp: ~1,100-token requests, 4 at once
+# --engine vllm: a 9,216-token pool (289 blocks of 32, one vLLM's null block) holds 8
+# ~1,100-token requests at once; prefix caching off, as for llama.cpp's slots
+VLLM_BLOCKS, VLLM_BLOCK, VLLM_MAX_LEN, VLLM_SEQS = 289, 32, 2048, 16
+VLLM_NAME = "tiny-qwen3"  # the name vLLM serves the tiny Qwen3 as
 
 
 @contextlib.contextmanager
@@ -464,6 +479,19 @@ def direct_target(args: argparse.Namespace, me: list[str], port: int, tmp: Path,
         with process([*me, "--role", "mock", "--port", str(port)], port, "mock") as mock:
             yield mock
         return
+    if args.engine == "vllm":
+        from tests.support.engines import start_vllm
+
+        # vLLM checks the served name; greedy, so every answer is the same work each time
+        EXTRA_BODY.update({"model": VLLM_NAME, "temperature": 0})
+        vllm = start_vllm(tmp, num_blocks=VLLM_BLOCKS, block_size=VLLM_BLOCK,
+                          max_model_len=VLLM_MAX_LEN, max_num_seqs=VLLM_SEQS)
+        urls["direct"] = vllm.url
+        try:
+            yield vllm.proc
+        finally:
+            vllm.stop()
+        return
     from benchmarks.suite.llamacpp import LLAMA_BODY
     from tests.support.engines import start_llama_server
 
@@ -474,6 +502,12 @@ def direct_target(args: argparse.Namespace, me: list[str], port: int, tmp: Path,
         yield engine.proc
     finally:
         engine.stop()
+
+
+def _tiny_dir() -> Path:
+    from tests.support.engines import tiny_model_dir
+
+    return tiny_model_dir()
 
 
 def main() -> None:
@@ -500,10 +534,12 @@ def main() -> None:
     parser.add_argument("--prefix-sharing", choices=["auto", "off"],
                         help="kvgate's (not --baseline's) prefix_sharing; default: the "
                              "config's default (auto: block keys for every prompt)")
-    parser.add_argument("--engine", choices=["llama.cpp"],
+    parser.add_argument("--engine", choices=["llama.cpp", "vllm"],
                         help="`direct` is a real engine instead of the mock: one llama-server "
                              "(the tiny Qwen3, 4 slots, one unified pool), kvgate in front "
-                             "with kind llama.cpp, strict; not with --baseline")
+                             "with kind llama.cpp, strict; or one vLLM CPU server (the tiny "
+                             "Qwen3, dummy weights, a 9,216-token pool), kvgate in front "
+                             "with kind vllm, adaptive; not with --baseline")
     parser.add_argument("--repeat", type=int, default=1, metavar="K",
                         help="run every cell K times; print each run, then the medians")
     parser.add_argument("--profile", type=Path,
@@ -533,7 +569,9 @@ def main() -> None:
             process(["-m", "proxy", "serve", "--config",
                      str(kvgate_config(Path(tmp), kv_port, urls["direct"],
                                        args.count_workers, args.prefix_sharing,
-                                       LLAMA_SLOTS if args.engine else 0))], kv_port,
+                                       LLAMA_SLOTS if args.engine == "llama.cpp" else 0,
+                                       _tiny_dir() if args.engine == "vllm" else None))],
+                    kv_port,
                     "kvgate", env=kvgate_env) as kv:
         pids: dict[str, int | None] = {"direct": mock.pid, "floor": floor.pid, "kvgate": kv.pid}
         baseline = contextlib.ExitStack()

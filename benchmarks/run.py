@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import math
 import os
 import shlex
 import statistics
@@ -26,21 +25,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.suite.cluster import (
-    AffinityRing,
-    GateSettings,
-    SimParams,
-    StartFailed,
-    Target,
-    cluster,
+from benchmarks.suite.cluster import GateSettings, SimParams, StartFailed, Target, cluster
+from benchmarks.suite.engine_run import (
+    DEADLINE_S,
+    DEFAULT_STARVATION_S,
+    SLO_TTFT_S,
+    Limits,
+    Scenario,
+    engine_sections,
+    notes_of,
+    run_target,
+    runs_for,
 )
-from benchmarks.suite.llamacpp import LLAMA_BODY, LlamaParams, Probe, llama_cluster, probe
-from benchmarks.suite.loadgen import RETRY_CAP_S, Run, run_closed_loop, run_open_loop
+from benchmarks.suite.llamacpp import LlamaParams, llama_engine, llama_header, probe
+from benchmarks.suite.loadgen import RETRY_CAP_S, Run, run_closed_loop
+from benchmarks.suite.plan import (
+    HOL_STARVATION_S,
+    SCENARIOS,
+    plan_scenarios,
+)
+from benchmarks.suite.plan import (
+    rate_for as rate_for,  # the tests' and callers' name for it: benchmarks.run.rate_for
+)
+from benchmarks.suite.plan import (
+    rate_for_shared as rate_for_shared,
+)
 from benchmarks.suite.refusals import acceptance as deadline_acceptance
 from benchmarks.suite.refusals import refusal_table, summarize_refusals, timeline
 from benchmarks.suite.report import (
@@ -48,9 +60,6 @@ from benchmarks.suite.report import (
     acceptance,
     by_class,
     class_table,
-    completed,
-    engine_comparison,
-    is_engine_failure,
     ms,
     pct,
     plot,
@@ -59,342 +68,23 @@ from benchmarks.suite.report import (
     summarize,
     table,
 )
-from benchmarks.suite.workloads import (
-    Behaviour,
-    PromptBuilder,
-    RequestSpec,
-    TraceRow,
-    burst,
-    bursty_long_prompts,
-    group_prompts,
-    hol_mix,
-    load_azure,
-    replay,
-    synthetic_mix,
-)
+from benchmarks.suite.vllm import VllmParams, VllmPool, vllm_header, vllm_probe, vllm_version
+from benchmarks.suite.workloads import Behaviour, PromptBuilder, RequestSpec, load_azure, replay
 from proxy.tokenize import load_counter
 
 ROOT = Path(__file__).resolve().parent.parent
-SLO_TTFT_S = 3.0
-DEADLINE_S = 3.0
-DEFAULT_STARVATION_S = 5.0  # kvgate's default: above the deadline, so pure backfill
-HOL_STARVATION_S = 1.0  # below the deadline: a long waiter does reach the head's protection
-MAX_PROMPT, MAX_OUTPUT = 6000, 1000
-SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "B", "G", "Gz", "overhead")
-BURSTY_MAX_OUTPUT = 200  # code completion: short answers
-CLASSIC_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.STRICT, Target.ADAPTIVE)
-PREFIX_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.AFFINITY_TIMEOUT,
-                  Target.ADAPTIVE_PREFIX_OFF, Target.ADAPTIVE)
-PREFIX_BACKENDS = 4
-GROUPS, SYSTEM_TOKENS, QUESTION_TOKENS = 8, 2048, 256
-ZIPF_S = 1.2  # Gz: the hot group takes 43% of the requests, the coldest 3.5%
-ENGINES = ("sim", "llama.cpp")
+ENGINES = ("sim", "llama.cpp", "vllm")
+ENGINE_SCENARIOS = ("S1", "S2")
 # llama.cpp: two servers of 4,096-token unified pools, 4 slots each; the trace clipped
 # so that its longest request fits a pool with room to spare and ~3 mean requests fill one
 LLAMA = LlamaParams(ctx_size=4096, parallel=4)
 LLAMA_MAX_PROMPT, LLAMA_MAX_OUTPUT = 2000, 500
-LLAMA_SCENARIOS = ("S1", "S2")
-
-
-def rate_for(load: float, specs: list[RequestSpec], params: SimParams,
-             backends: int = 2) -> float:
-    """Arrival rate at which offered resident tokens are `load` x the KV capacity.
-
-    Little's law: resident = rate x service time x tokens per request. Service time is
-    the output length times the step time at the concurrency the pool allows. Recorded
-    lengths are used whatever the client behaviour: the load is what the requests really
-    use, not what they announce. Every prompt token counts, shared or not: for the
-    shared-prefix scenarios this is the footprint of a prefix-blind pool.
-    """
-    capacity: float = backends * params.kv_tokens
-    per_request = statistics.mean(s.prompt_tokens + s.output_tokens for s in specs)
-    running_per_backend = params.kv_tokens / per_request
-    if params.max_num_seqs is not None:  # slots bound the concurrency before the pool
-        running_per_backend = min(running_per_backend, params.max_num_seqs)
-        capacity = backends * running_per_backend * per_request
-    service_s = statistics.mean(s.output_tokens for s in specs) * params.step_s(
-        running_per_backend)
-    return load * capacity / (per_request * service_s)
-
-
-def rate_for_shared(load: float, specs: list[RequestSpec], params: SimParams,
-                    backends: int, groups: int) -> float:
-    """`rate_for` on the footprint of a pool that holds each group's system prompt once:
-    `groups / backends` prompts resident per backend, and per request only what follows
-    the system prompt (its question, the template, its output). The ceiling of a perfect
-    prefix-aware placement on a uniform group mix."""
-    system = statistics.mean(s.system_tokens for s in specs)
-    room = params.kv_tokens - groups / backends * system
-    if room <= 0:
-        raise ValueError("the groups' system prompts alone fill the pool")
-    per_request = statistics.mean(s.prompt_tokens - s.system_tokens + s.output_tokens
-                                  for s in specs)
-    service_s = statistics.mean(s.output_tokens for s in specs) * params.step_s(
-        room / per_request)
-    return load * backends * room / (per_request * service_s)
-
-
-def rescale(specs: list[RequestSpec], factor: float) -> list[RequestSpec]:
-    return [replace(s, arrival_s=s.arrival_s / factor) for s in specs]
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    key: str
-    title: str
-    specs: list[RequestSpec]
-    orderings: tuple[str, ...] = ("fifo",)
-    starvation_s: float = DEFAULT_STARVATION_S
-    params: SimParams | None = None  # None: the suite's (prefix caching off)
-    backends: int = 2
-    targets: tuple[Target, ...] = CLASSIC_TARGETS  # when --targets is not given
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    duration_s: float  # arrival window; goodput is per second of it
-    drain_s: float  # after the window, before the hard stop
-
-    @property
-    def hard_stop_s(self) -> float:
-        return self.duration_s + self.drain_s
-
-
-async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
-                     params: SimParams, target: Target, behaviour: Behaviour,
-                     ordering: str, label: str, limits: Limits, starvation_s: float,
-                     backends: int = 2, llama: LlamaParams | None = None,
-                     retries: int = 0) -> Run:
-    """One run on fresh processes; raises StartFailed when the cluster does not come up.
-    `llama` given: llama-servers of those pools instead of simulated backends.
-    `retries`: a refused client retries once after its Retry-After (kvgate targets)."""
-    gate = None
-    if target.proxy:
-        gate = GateSettings(deadline_s=DEADLINE_S, ordering=ordering, starvation_s=starvation_s,
-                            output_policy="fill", reservation=target.reservation,
-                            prefix_sharing=target.prefix_sharing)
-    route = None
-    if target is Target.AFFINITY_TIMEOUT:
-        route = AffinityRing(backends).backend
-    real = llama is not None
-    backends_cm = (llama_cluster(llama, gate=gate, backends=backends) if llama is not None
-                   else cluster(params, gate=gate, backends=backends))
-    with backends_cm as c:
-        run = await run_open_loop(
-            c.targets, specs, builder, hard_stop_s=limits.hard_stop_s,
-            deadline_s=DEADLINE_S if target.proxy else None,
-            give_up_s=DEADLINE_S if target.gives_up else None, route=route,
-            behaviour=behaviour, label=f"{key} {behaviour}: {label}", sampler=c.sample,
-            watch=c.watch, hang_up_at_output=real, sim_fields=not real,
-            body_extra=LLAMA_BODY if real else None, fresh_connections=real,
-            retries=retries if target.proxy else 0)
-        run.samples = c.samples
-        run.totals = await c.engine_totals()
-        run.preemptions = int(run.totals["preemptions"])
-    run.label = label
-    return run
-
-
-def plan_scenarios(duration_s: float, params: SimParams,
-                   wanted: set[str], s4_orderings: tuple[str, ...],
-                   starvation_s: float | None = None,
-                   group_overhead: int = 13,
-                   prefix_calibration: str = "shared", max_prompt: int = MAX_PROMPT,
-                   max_output: int = MAX_OUTPUT) -> tuple[list[Scenario], str]:
-    conv = load_azure("azure_llm_2023_conv_slice.csv")
-    lengths = replay(conv, rate_per_s=1.0, duration_s=10**6, max_prompt=max_prompt,
-                     max_output=max_output)
-    one_x = rate_for(1.0, lengths, params)
-
-    # The slice's first minute is sparse (the trace starts mid-stream): skip it.
-    def conv_at(load: float, start: int = 300, span: float = duration_s) -> list[RequestSpec]:
-        return replay(conv, rate_per_s=load * one_x, duration_s=span, max_prompt=max_prompt,
-                      max_output=max_output, start=start)
-
-    out: list[Scenario] = []
-    if "S1" in wanted:
-        out.append(Scenario("S1", "Under capacity (0.5x), Azure conversation trace",
-                            conv_at(0.5)))
-    if "S2" in wanted:
-        out.append(Scenario("S2", "2x overload, Azure conversation trace", conv_at(2.0)))
-    if "S2s" in wanted:
-        synth = synthetic_mix(rate_per_s=1.0, duration_s=duration_s * 40, seed=3,
-                              max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT)
-        synth = rescale(synth, 2.0 * rate_for(1.0, synth, params))
-        out.append(Scenario("S2s", "2x overload, synthetic mix (lognormal, 2% very long)",
-                            [s for s in synth if s.arrival_s < duration_s]))
-    if "S3" in wanted:
-        extra = [replace(s, arrival_s=s.arrival_s + 3.0)
-                 for s in conv_at(5.0, start=1500, span=4.0)]
-        out.append(Scenario(
-            "S3", "5x burst for 4 s on a 0.5x base, then recovery, Azure conversation lengths",
-            burst(conv_at(0.5), extra)))
-    if "B" in wanted:
-        out.append(_bursty(duration_s, params, max_prompt))
-    if "S4" in wanted:
-        hol = hol_mix(rate_per_s=1.0, duration_s=duration_s * 20, seed=11)
-        hol = [s for s in rescale(hol, 1.5 * rate_for(1.0, hol, params))
-               if s.arrival_s < duration_s]
-        out.append(Scenario(
-            "S4", "Mixed short and very long requests (1.5x), head-of-line blocking", hol,
-            s4_orderings, HOL_STARVATION_S))
-    prefix_header = ""
-    if wanted & {"G", "Gz"}:
-        shared, prefix_header = _group_scenarios(conv, duration_s, params, wanted,
-                                                 group_overhead, prefix_calibration)
-        out += shared
-    if starvation_s is not None:
-        out = [replace(s, starvation_s=starvation_s) for s in out]
-    seqs = ("" if params.max_num_seqs is None
-            else f"at most {params.max_num_seqs} running sequences each; ")
-    header = (
-        f"Pool: 2 simulated backends x {params.kv_tokens:,} KV tokens; {seqs}decode step "
-        f"{params.decode_step_ms} ms + {params.per_seq_ms} ms per running sequence; prefill "
-        f"{params.prefill_tokens_per_s:,.0f} tokens/s; max_model_len {params.max_model_len:,} "
-        f"(kvgate and engines). 1x = {one_x:.2f} req/s on the Azure conversation lengths "
-        f"(prompts clipped to {max_prompt}, outputs to {max_output}), calibrated at the "
-        "recorded output lengths whatever the client sends. Every request carries "
-        "`sim_output_tokens` = its recorded output length (the simulated EOS). "
-        f"TTFT SLO for goodput: {SLO_TTFT_S} s. kvgate: queue deadline {DEADLINE_S} s, depth "
-        "256, output_policy `fill`, starvation_s per scenario; `direct+timeout` clients "
-        f"give up after {DEADLINE_S} s without a first token. Each run stops at the arrival "
-        "window + drain; `cut_at_benchmark_end` counts requests still open then.")
-    return out, header + prefix_header
-
-
-def _bursty(duration_s: float, params: SimParams, max_prompt: int) -> Scenario:
-    """B: code-completion shaped, long prompts and short answers in on-off bursts.
-
-    1x is `rate_for` on a long draw of the same lengths; each on-phase arrives at 2x,
-    each off-phase sends nothing; on and off phases each last 1 to 4 s (uniform), so
-    the mean over the window is about 1x."""
-    long = bursty_long_prompts(rate_per_s=1.0, duration_s=2000.0, seed=31,
-                               max_prompt=max_prompt, max_output=BURSTY_MAX_OUTPUT)
-    one_x = rate_for(1.0, long, params)
-    specs = bursty_long_prompts(rate_per_s=2.0 * one_x, duration_s=duration_s, seed=32,
-                                max_prompt=max_prompt, max_output=BURSTY_MAX_OUTPUT)
-    prompts = statistics.mean(s.prompt_tokens for s in long)
-    outputs = statistics.mean(s.output_tokens for s in long)
-    title = (f"Bursty long prompts (code-completion shape): on-off bursts at 2x "
-             f"({2 * one_x:.2f} req/s during a burst, {len(specs) / duration_s:.2f} req/s "
-             f"over the window), prompts lognormal median 3,000 (mean {prompts:,.0f}, "
-             f"clipped to {max_prompt:,}), answers lognormal median 60 (mean "
-             f"{outputs:.0f}, 8 to {BURSTY_MAX_OUTPUT}), synthetic, seeded")
-    return Scenario("B", title, specs)
-
-
-def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,
-                     wanted: set[str], overhead: int,
-                     calibration: str = "shared") -> tuple[list[Scenario], str]:
-    """G and Gz: 8 groups sharing a system prompt each, 4 backends with prefix caching.
-
-    2x is calibrated with Little's law (`calibration`):
-
-    * "shared" (the default): on a pool that holds each group's system prompt once,
-      2 per backend, and per request only its question, template and output
-      (`rate_for_shared`): the ceiling of the best prefix-aware placement. 2x then
-      overloads every target, the prefix-aware one included, so its KV use at
-      saturation and its preemptions are measured under pressure, as in S2.
-    * "unshared": on every request's whole prompt + output (`rate_for`, as S1-S4): 2x
-      for a prefix-blind pool, but only about 0.55x of the prefix-aware ceiling, which
-      then never saturates.
-
-    One copy of each group's prompt per backend is degenerate at this scale: 8 x 2,048
-    tokens fill a whole 16,384-token backend before any question.
-    """
-    sim = replace(params, prefix_caching=True)
-    outputs = [max(1, min(r.output_tokens, MAX_OUTPUT)) for r in conv]
-
-    def make(zipf_s: float, seed: int) -> list[RequestSpec]:
-        def at(rate: float, span: float) -> list[RequestSpec]:
-            return group_prompts(rate_per_s=rate, duration_s=span, seed=seed, outputs=outputs,
-                                 prompt_overhead=overhead, groups=GROUPS,
-                                 system_tokens=SYSTEM_TOKENS, question_tokens=QUESTION_TOKENS,
-                                 zipf_s=zipf_s)
-        # calibrate on a long draw of the same workload, then draw the window at 2x
-        long = at(1.0, 2000.0)
-        one_x = (rate_for(1.0, long, sim, PREFIX_BACKENDS) if calibration == "unshared"
-                 else rate_for_shared(1.0, long, sim, PREFIX_BACKENDS, GROUPS))
-        return at(2.0 * one_x, duration_s)
-
-    out = []
-    rates = []
-    for key, zipf_s, seed, title in (
-            ("G", 0.0, 21, "8 groups sharing a system prompt, uniform popularity, 2x"),
-            ("Gz", ZIPF_S, 22, f"8 groups sharing a system prompt, Zipf s={ZIPF_S} "
-                               "popularity (one hot group), 2x")):
-        if key not in wanted:
-            continue
-        specs = make(zipf_s, seed)
-        rates.append(f"{key} {len(specs) / duration_s:.2f} req/s offered")
-        out.append(Scenario(key, title, specs, params=sim, backends=PREFIX_BACKENDS,
-                            targets=PREFIX_TARGETS))
-    prompt = SYSTEM_TOKENS + QUESTION_TOKENS + overhead
-    mean_out = statistics.mean(outputs)
-    blind = params.kv_tokens / (prompt + mean_out)
-    aware = (params.kv_tokens - GROUPS // PREFIX_BACKENDS * SYSTEM_TOKENS) / (
-        QUESTION_TOKENS + overhead + mean_out)
-    load_blind = 2.0 if calibration == "unshared" else 2.0 * aware / blind
-    load_aware = 2.0 if calibration == "shared" else 2.0 * blind / aware
-    header = (
-        f"\n\nShared-prefix scenarios (G, Gz): {PREFIX_BACKENDS} simulated backends x "
-        f"{params.kv_tokens:,} KV tokens with vLLM v1 prefix caching ON (the Azure "
-        f"scenarios keep it off); {GROUPS} groups, each a {SYSTEM_TOKENS:,}-token system "
-        "prompt (distinct text per group, byte-identical within a group) and a "
-        f"{QUESTION_TOKENS}-token question of its own ({prompt:,} tokens after the "
-        f"template); output lengths drawn from the Azure conversation slice's recorded "
-        f"outputs (clipped to {MAX_OUTPUT}, mean {mean_out:.0f}); Poisson arrivals. "
-        + (f"2x is calibrated with Little's law on the shared footprint: a pool that "
-           f"holds each group's system prompt once ({GROUPS // PREFIX_BACKENDS} per "
-           "backend) and per request only its question, template and output, the ceiling "
-           "of the best prefix-aware placement; 2x overloads every target, the "
-           "prefix-aware one included, so that its KV use at saturation and preemptions "
-           "are measured under pressure. "
-           if calibration == "shared" else
-           "2x is calibrated with Little's law on the unshared footprint (whole prompt + "
-           "output per request, as in S1-S4): 2x for a prefix-blind pool. ")
-        + f"({'; '.join(rates)}). At the mean lengths a backend holds {blind:.1f} requests "
-        f"unshared, {aware:.1f} with {GROUPS // PREFIX_BACKENDS} groups' prompts held once "
-        f"there: the offered load is {load_blind:.1f}x of a prefix-blind pool's capacity "
-        f"and {load_aware:.2f}x of the prefix-aware ceiling. Calibrating on one copy of each "
-        f"group's prompt per backend is degenerate here ({GROUPS} x {SYSTEM_TOKENS:,} "
-        f"tokens fill a {params.kv_tokens:,}-token backend). `affinity+timeout`: clients "
-        "hash the first 2,048 characters of the messages (role and content; here the "
-        "system prompt's opening) onto a consistent-hash ring of the backends (64 "
-        "points each, BLAKE2b), and give up at 3 s without a first token like "
-        "`direct+timeout`. `kvgate adaptive` is `prefix_sharing = \"auto\"` (shared "
-        "blocks charged once, placement follows the prefix); `kvgate adaptive-prefix-off` "
-        "is `prefix_sharing = \"off\"` (every prompt charged in full, prefix-blind "
-        "placement; the engines still cache prefixes).")
-    return out, header
-
-
-def _runs_for(scenario: Scenario, targets: Sequence[Target]) -> list[tuple[Target, str, str]]:
-    """(target, ordering, label): kvgate targets once per ordering the scenario compares."""
-    out = []
-    for target in targets:
-        if not target.proxy:
-            out.append((target, "fifo", target.label))
-            continue
-        for ordering in scenario.orderings:
-            label = target.label if len(scenario.orderings) == 1 else (
-                f"{target.label} {ordering}")
-            out.append((target, ordering, label))
-    return out
-
-
-def _notes(summaries: list[Summary], failed: list[str]) -> str:
-    notes = [f"did not run: {f}" for f in failed]
-    for s in summaries:
-        over = s.worst_timeout_overshoot_s
-        if over is not None and over >= 0:
-            notes.append(f"{s.label}: queue_timeout answered at most {over * 1000:.0f} ms "
-                         f"past the {DEADLINE_S:.0f} s deadline")
-        elif over is not None:  # every one refused as predicted late, before its deadline
-            notes.append(f"{s.label}: every queue_timeout answered before the "
-                         f"{DEADLINE_S:.0f} s deadline (the latest {-over * 1000:.0f} ms "
-                         "before it)")
-    return "\n".join(f"- {n}" for n in notes)
+LLAMA_SCENARIOS = ENGINE_SCENARIOS
+# vLLM CPU: two servers of 4,096-token pools (129 blocks of 32, one the null block),
+# max_model_len 2,048 (a cap-2048 request is a whole context); the trace clipped so that
+# its longest request fits a context and ~4 mean requests fill a pool
+VLLM = VllmParams(num_blocks=129, block_size=32, max_model_len=2048, max_num_seqs=16)
+VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT = 1000, 250
 
 
 def _refusal_part(key: str, behaviour: Behaviour, runs: list[Run],
@@ -471,7 +161,7 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
               flush=True)
         runs: list[Run] = []
         failed: list[str] = []
-        plan = [(t, o, label, 0) for t, o, label in _runs_for(scenario, targets)]
+        plan = [(t, o, label, 0) for t, o, label in runs_for(scenario, targets)]
         if retries:
             plan += [(t, o, f"{label} +retry", retries) for t, o, label, _ in plan
                      if t.proxy]
@@ -494,7 +184,7 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
             plot(runs, f"{scenario.key}, client behaviour `{behaviour}`: {scenario.title}",
                  image)
         part = (f"### {scenario.key}, client behaviour `{behaviour}`\n\n{table(summaries)}"
-                f"\n\n{_notes(summaries, failed)}")
+                f"\n\n{notes_of(summaries, failed)}")
         if runs and not prefix:
             part += "\n\n" + _refusal_part(scenario.key, behaviour, runs, summaries, out)
         if prefix and runs:
@@ -523,119 +213,6 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
     if bound:
         sections.insert(2, bound)
     return sections
-
-
-async def engine_sections(out: Path, scenario: Scenario, builder: PromptBuilder,
-                          sim: SimParams, llama: LlamaParams,
-                          behaviours: Sequence[Behaviour], targets: Sequence[Target] | None,
-                          limits: Limits, twin: bool = True) -> list[str]:
-    """One scenario on llama-server, and (`twin`) on the simulator fitted to it, the
-    same requests at the same times: both tables, plots and their comparison."""
-    targets = scenario.targets if targets is None else targets
-    sections = [f"## {scenario.key}: {scenario.title}\n\n{len(scenario.specs)} requests "
-                f"arriving over {limits.duration_s:.0f} s; hard stop at "
-                f"{limits.hard_stop_s:.0f} s; kvgate ordering fifo, starvation_s "
-                f"{scenario.starvation_s:g} s."]
-    gaps: list[tuple[Behaviour, str, float, float]] = []
-    for behaviour in behaviours:
-        print(f"{scenario.key} {behaviour}: {len(scenario.specs)} requests", file=sys.stderr,
-              flush=True)
-        by_engine: dict[str, list[Run]] = {"llama.cpp": [], "sim": []}
-        failed: dict[str, list[str]] = {"llama.cpp": [], "sim": []}
-        for target, ordering, label in _runs_for(scenario, targets):
-            for engine in ("llama.cpp", "sim") if twin else ("llama.cpp",):
-                try:
-                    by_engine[engine].append(await run_target(
-                        scenario.key, scenario.specs, builder, sim, target, behaviour,
-                        ordering, label, limits, scenario.starvation_s, scenario.backends,
-                        llama=llama if engine == "llama.cpp" else None))
-                except StartFailed as exc:
-                    failed[engine].append(f"{label}: {exc}")
-        summaries = {e: [summarize(r, slo_ttft_s=SLO_TTFT_S, window_s=limits.duration_s,
-                                   gated=r.label.startswith("kvgate")) for r in rs]
-                     for e, rs in by_engine.items()}
-        part = [f"### {scenario.key}, client behaviour `{behaviour}`"]
-        sim_by = {s.label: (s, r) for s, r in zip(summaries["sim"], by_engine["sim"],
-                                                  strict=True)}
-        pairs = []
-        for s_real, r_real in zip(summaries["llama.cpp"], by_engine["llama.cpp"],
-                                  strict=True):
-            s_sim, r_sim = sim_by.get(s_real.label, (None, None))
-            pairs.append((s_real, r_real, s_sim, r_sim))
-            if s_sim is not None:
-                gaps.append((behaviour, s_real.label, s_real.goodput_per_s,
-                             s_sim.goodput_per_s))
-        if pairs:
-            part.append("llama.cpp against the simulator fitted to it (same pools, slots, "
-                        "step time and prefill rate; same requests):\n\n"
-                        + engine_comparison(pairs))
-        for engine, what in (("llama.cpp", "llama-server"),
-                             ("sim", "the fitted simulator")):
-            if not (by_engine[engine] or failed[engine]):
-                continue
-            notes = _notes(summaries[engine], failed[engine])
-            text = f"On {what}:\n\n{table(summaries[engine])}" if summaries[engine] else \
-                f"On {what}: no run."
-            if engine == "llama.cpp":
-                alive = [r.label for r in by_engine[engine]
-                         if r.totals.get("engines_alive", 1.0) < 1.0]
-                if alive:
-                    notes += f"\n- a llama-server process died during: {', '.join(alive)}"
-                notes += "".join(f"\n- {r.label}: {_failure_evidence(r)}"
-                                 for r in by_engine[engine] if _failure_evidence(r))
-            part.append(text + (f"\n\n{notes}" if notes else ""))
-            if by_engine[engine]:
-                image = out / f"{scenario.key}-{behaviour}-{engine}.png"
-                plot(by_engine[engine], f"{scenario.key}, `{behaviour}`, on {what}", image)
-                part.append(f"![{scenario.key} {behaviour} {engine}]({image.name})")
-        sections.append("\n\n".join(part))
-    if gaps:
-        sections.append(_gap_section(scenario.key, gaps))
-    return sections
-
-
-def _failure_evidence(run: Run) -> str:
-    """What the engine's failures said: each kind with its count and the stream's last
-    line (or the error body's code) as the client read it."""
-    seen: Counter[str] = Counter()
-    for r in run.results:
-        code = r.code or f"http_{r.status}"
-        if completed(r) or not is_engine_failure(code):
-            continue
-        said = r.last_line.decode(errors="replace").strip()[:160] or f"status {r.status}"
-        finish = f", finish_reason {r.finish}" if r.finish else ""
-        seen[f"{code} (`{said}`{finish})"] += 1
-    return "; ".join(f"{n} x {what}" for what, n in seen.most_common(3)) + (
-        f"; {sum(seen.values()) - sum(n for _, n in seen.most_common(3))} more"
-        if len(seen) > 3 else "")
-
-
-def _gap_section(key: str, gaps: list[tuple[Behaviour, str, float, float]]) -> str:
-    """How far apart engine and simulator are: goodput ratio per cell, and whether the
-    targets rank the same on both."""
-    rows = []
-    logs = []
-    for behaviour, label, real, sim in gaps:
-        ratio = real / sim if sim else None
-        if ratio:
-            logs.append(abs(math.log(ratio)))
-        rows.append(f"| {behaviour} | {label} | {real:.2f} | {sim:.2f} | "
-                    f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
-    ranks = []
-    for behaviour in dict.fromkeys(b for b, *_ in gaps):
-        cells = [(label, real, sim) for b, label, real, sim in gaps if b == behaviour]
-        by_real = [c[0] for c in sorted(cells, key=lambda c: -c[1])]
-        by_sim = [c[0] for c in sorted(cells, key=lambda c: -c[2])]
-        same = "the same order" if by_real == by_sim else "a different order"
-        ranks.append(f"`{behaviour}`: llama.cpp ranks {' > '.join(by_real)}; the simulator "
-                     f"{' > '.join(by_sim)} ({same})")
-    spread = (f"Geometric mean distance of the goodput ratio from 1: "
-              f"{math.exp(statistics.mean(logs)):.2f}x over {len(logs)} cells with goodput "
-              "on both. " if logs else "")
-    return (f"### {key}: how far apart llama.cpp and the simulator are\n\n"
-            "| behaviour | target | goodput/s llama.cpp | goodput/s sim | llama.cpp / sim |\n"
-            "|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n" + spread
-            + "Ranking by goodput: " + "; ".join(ranks) + ".")
 
 
 def _foreknowledge_bound(goodput: dict[tuple[Behaviour, str], float],
@@ -777,11 +354,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "group's system prompt once (shared, default) or on the whole "
                              "prompt per request (unshared)")
     parser.add_argument("--engine", choices=ENGINES, default="sim",
-                        help="the backends: kvgate's simulator (default), or two llama.cpp "
-                             "llama-servers (S1, S2 only; each cell also runs on the "
-                             "simulator fitted to them unless --no-sim-twin)")
+                        help="the backends: kvgate's simulator (default), two llama.cpp "
+                             "llama-servers or two vLLM CPU servers (S1, S2 only; each "
+                             "cell also runs on the simulator fitted to them unless "
+                             "--no-sim-twin)")
     parser.add_argument("--no-sim-twin", action="store_true",
-                        help="--engine llama.cpp: skip the fitted simulator's runs")
+                        help="--engine llama.cpp / vllm: skip the fitted simulator's runs")
     parser.add_argument("--quick", action="store_true",
                         help="short windows for development: numbers are noisier")
     parser.add_argument("--overhead-scale", type=float, default=1.0)
@@ -792,86 +370,81 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def llama_plan(duration_s: float, wanted: set[str], llama: LlamaParams, sim: SimParams,
-               starvation_s: float | None = None) -> tuple[list[Scenario], str]:
-    """S1 / S2 for llama-server: the trace clipped to the small pools, calibrated on the
+def engine_plan(engine: str, duration_s: float, wanted: set[str], sim: SimParams,
+                max_prompt: int, max_output: int,
+                starvation_s: float | None = None) -> tuple[list[Scenario], str]:
+    """S1 / S2 for a real engine: the trace clipped to its small pools, calibrated on the
     simulator fitted to the servers (`Probe.sim_params`)."""
-    bad = wanted - set(LLAMA_SCENARIOS)
+    bad = wanted - set(ENGINE_SCENARIOS)
     if bad:
-        raise SystemExit(f"--engine llama.cpp runs {', '.join(LLAMA_SCENARIOS)} only; "
+        raise SystemExit(f"--engine {engine} runs {', '.join(ENGINE_SCENARIOS)} only; "
                          f"not {', '.join(sorted(bad))}")
     scenarios, header = plan_scenarios(duration_s, sim, wanted, ("fifo",), starvation_s,
-                                       max_prompt=LLAMA_MAX_PROMPT,
-                                       max_output=LLAMA_MAX_OUTPUT)
+                                       max_prompt=max_prompt, max_output=max_output)
     header = header.replace("Pool: 2 simulated", "The simulator twin's pool: 2 simulated", 1)
     header = header.replace("Every request carries", "Every request to the simulator carries",
                             1)
     return scenarios, header
 
 
-def llama_header(llama: LlamaParams, measured: Probe, sim: SimParams, version: str) -> str:
-    steps = ", ".join(f"{n} stream{'s' if n > 1 else ''} each: {ms:.2f} ms"
-                      for n, ms in sorted(measured.step_ms.items()))
-    return (
-        f"Engine: 2 llama.cpp `llama-server`s ({version}), the tiny random-weight Qwen3 "
-        f"(real Qwen3 tokenizer and chat template), each `--ctx-size {llama.ctx_size} "
-        f"--parallel {llama.parallel} --kv-unified --threads {llama.threads}`: one "
-        f"{llama.ctx_size:,}-token KV pool per server shared by {llama.parallel} slots. "
-        "kvgate in front: `kind = \"llama.cpp\"`, `slots = "
-        f"{llama.parallel}`, `kv_tokens = max_model_len = {llama.ctx_size}`, `block_size = "
-        "1`, `prefix_sharing = \"off\"`; the `adaptive` target is written as "
-        "`reservation = \"adaptive\"` as it is for the simulator.\n\n"
-        f"Measured before the runs, both servers at once ({measured.prompt_tokens}-word "
-        f"prompts, {measured.output_tokens} tokens, {measured.wall_s:.0f} s): time per "
-        f"token of one stream with {steps}; prefill about "
-        f"{measured.prefill_tokens_per_s:,.0f} tokens/s (first token of the single streams). "
-        f"The simulator twin is fitted to that: {sim.kv_tokens:,} KV tokens and at most "
-        f"{sim.max_num_seqs} running sequences per backend, decode step "
-        f"{sim.decode_step_ms} ms + {sim.per_seq_ms} ms per running sequence, prefill "
-        f"{sim.prefill_tokens_per_s:,.0f} tokens/s, max_model_len {sim.max_model_len:,}, "
-        "no prefix caching. Loads are calibrated as for the simulator (Little's law at the "
-        "recorded lengths on the fitted step time), so 1x is the same rate for both.\n\n"
-        "What differs from the simulator's runs: (1) the model never samples EOS, so each "
-        "client closes its stream once it has read the request's recorded output length in "
-        "content chunks (the model's end played by the client; llama-server stops the "
-        "request when the connection goes, kvgate releases its lease on the disconnect); "
-        "no body carries that length, neither as `max_tokens` nor as `sim_output_tokens` "
-        "(the simulator's runs send `sim_output_tokens`, which only the simulator reads); "
-        "a llama-server chunk can hold more than one token, so an answer may run a few "
-        "tokens past its recorded length before the client hangs up; (2) bodies to "
-        "llama-server carry `\"cache_prompt\": false`, `\"temperature\": 0` (greedy: the "
-        "random model then never picks its end-of-generation token; sampled, it does now "
-        "and then) and the model name `tiny-qwen3`; "
-        "(3) llama.cpp preempts nothing: when a server's pool overflows its running "
-        "requests fail (an error status, an error event mid-stream, or an answer that "
-        "ends short of its length: all counted as engine failures), where the simulator "
-        "preempts and recomputes as vLLM does; (4) llama-server reports no KV use, so the "
-        "KV figures compared are the clients' view (prompt + tokens streamed so far over "
-        "the open streams, as a share of both pools), taken the same way on both; "
-        "(5) llama-server computes on the same 2 CPU cores as the clients, kvgate and "
-        "whatever else runs on the machine, the simulator only sleeps.")
+def llama_plan(duration_s: float, wanted: set[str], llama: LlamaParams, sim: SimParams,
+               starvation_s: float | None = None) -> tuple[list[Scenario], str]:
+    return engine_plan("llama.cpp", duration_s, wanted, sim, LLAMA_MAX_PROMPT,
+                       LLAMA_MAX_OUTPUT, starvation_s)
+
+
+def vllm_plan(duration_s: float, wanted: set[str], sim: SimParams,
+              starvation_s: float | None = None) -> tuple[list[Scenario], str]:
+    return engine_plan("vllm", duration_s, wanted, sim, VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT,
+                       starvation_s)
+
+
+def _mean_prompt(max_prompt: int, max_output: int) -> int:
+    lengths = replay(load_azure("azure_llm_2023_conv_slice.csv"), rate_per_s=1.0,
+                     duration_s=10**6, max_prompt=max_prompt, max_output=max_output)
+    return round(statistics.mean(s.prompt_tokens for s in lengths))
 
 
 def llama_sections(out: Path, wanted: set[str], builder: PromptBuilder,
                    args: argparse.Namespace, limits: Limits) -> list[str]:
     from tests.support.engines import llama_server_binary
 
-    lengths = replay(load_azure("azure_llm_2023_conv_slice.csv"), rate_per_s=1.0,
-                     duration_s=10**6, max_prompt=LLAMA_MAX_PROMPT,
-                     max_output=LLAMA_MAX_OUTPUT)
     version_file = llama_server_binary().parents[1] / "version.txt"
     version = (version_file.read_text().strip() if version_file.exists()
                else llama_server_binary().parent.parent.name)
-    measured = probe(LLAMA, prompt_tokens=round(statistics.mean(
-        s.prompt_tokens for s in lengths)))
+    measured = probe(LLAMA, prompt_tokens=_mean_prompt(LLAMA_MAX_PROMPT, LLAMA_MAX_OUTPUT))
     sim = measured.sim_params(LLAMA)
     scenarios, header = llama_plan(limits.duration_s, wanted, LLAMA, sim, args.starvation_s)
     sections = [llama_header(LLAMA, measured, sim, version), header]
     for scenario in scenarios:
-        sections += asyncio.run(engine_sections(out, scenario, builder, sim, LLAMA,
-                                                args.behaviours, args.targets, limits,
+        sections += asyncio.run(engine_sections(out, scenario, builder, sim,
+                                                llama_engine(LLAMA), args.behaviours,
+                                                args.targets, limits,
                                                 twin=not args.no_sim_twin))
     return sections
+
+
+def vllm_sections(out: Path, wanted: set[str], builder: PromptBuilder,
+                  args: argparse.Namespace, limits: Limits) -> list[str]:
+    """S1 / S2 on two vLLM CPU servers started once for the run (`VllmPool`)."""
+    from tests.support.engines import vllm_python
+
+    version = vllm_version(vllm_python())
+    pool = VllmPool(VLLM)
+    try:
+        pool.ensure()
+        measured = vllm_probe(pool, _mean_prompt(VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT))
+        sim = measured.sim_params(VLLM)
+        scenarios, header = vllm_plan(limits.duration_s, wanted, sim, args.starvation_s)
+        body: list[str] = []
+        for scenario in scenarios:
+            body += asyncio.run(engine_sections(out, scenario, builder, sim, pool.engine(),
+                                                args.behaviours, args.targets, limits,
+                                                twin=not args.no_sim_twin))
+    finally:
+        healthy, restarts = list(pool.healthy_after_s), pool.restarts
+        pool.close()
+    return [vllm_header(VLLM, measured, sim, version, healthy, restarts), header, *body]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -888,6 +461,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     builder = PromptBuilder(load_counter(ROOT / "models" / "qwen3-14b"))
     if args.engine == "llama.cpp":
         sections = llama_sections(out, wanted, builder, args, limits)
+    elif args.engine == "vllm":
+        sections = vllm_sections(out, wanted, builder, args, limits)
     else:
         scenarios, header = plan_scenarios(duration, params, wanted, args.s4_orderings,
                                            args.starvation_s, builder.group_overhead,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from benchmarks.run import LLAMA, llama_plan, parse_args, rate_for
+from benchmarks.run import LLAMA, VLLM, llama_plan, parse_args, rate_for, vllm_plan
 from benchmarks.suite.cluster import GateSettings, SimParams, Target, to_toml
 from benchmarks.suite.llamacpp import (
     LLAMA_BODY,
@@ -74,8 +74,9 @@ def test_cli_engine_option_and_its_scenarios() -> None:
                        "--behaviours", "cap-2048,none"])
     assert args.engine == "llama.cpp" and not args.no_sim_twin
     assert parse_args([]).engine == "sim"
+    assert parse_args(["--engine", "vllm"]).engine == "vllm"
     with pytest.raises(SystemExit):
-        parse_args(["--engine", "vllm"])
+        parse_args(["--engine", "sglang"])
     sim = SimParams(kv_tokens=LLAMA.ctx_size, decode_step_ms=1.6, per_seq_ms=1.4,
                     max_model_len=LLAMA.max_model_len, max_num_seqs=LLAMA.parallel)
     [s2], header = llama_plan(20.0, {"S2"}, LLAMA, sim)
@@ -178,3 +179,105 @@ def test_bench_peers_config_in_front_of_llama_server(tmp_path: Path) -> None:
     assert model.backends[0].slots == LLAMA_SLOTS
     assert model.reservation.value == "strict"
     assert model.capacity_tokens == model.max_model_len == LLAMA_CTX
+
+
+# ------------------------------------------------------------------------- vLLM CPU
+
+
+def test_kvgate_config_in_front_of_vllm(tmp_path: Path) -> None:
+    """kvgate in front of the vLLM CPU servers: kind vllm, the usable pool (one block is
+    vLLM's null block) as kv_tokens, its block size, prefix sharing off as the engines'
+    caching is; strict and adaptive both valid (vLLM preempts)."""
+    from benchmarks.suite.vllm import VLLM_BODY, VLLM_MODEL, kvgate_vllm_config
+
+    assert VLLM.kv_tokens == (VLLM.num_blocks - 1) * VLLM.block_size == 4096
+    for reservation in ("strict", "adaptive"):
+        config = kvgate_vllm_config(VLLM, GateSettings(reservation=reservation), port=9,
+                                    servers=SERVERS, model_dir=QWEN)
+        assert tomllib.loads(to_toml(config)) == config
+        model = parse_config(tomllib.loads(to_toml(config)), base=tmp_path).models[0]
+        assert model.name == VLLM_MODEL == VLLM_BODY["model"]
+        assert (model.max_model_len, model.capacity_tokens, model.block_size) == (
+            2048, 4096, 32)
+        assert model.reservation.value == reservation
+        assert model.prefix_sharing.value == "off"
+        assert [(b.url, b.kind.value) for b in model.backends] == [
+            (u, "vllm") for u in SERVERS]
+    # nothing that tells the engine or kvgate the answer's length
+    assert set(VLLM_BODY) == {"model", "temperature"}
+
+
+def test_vllm_plan_and_twin() -> None:
+    """S1 / S2 clipped to a vLLM context; the twin takes the pool and max_num_seqs."""
+    probe = Probe(prompt_tokens=792, output_tokens=160, step_ms={1: 20.0, 3: 22.0},
+                  prefill_tokens_per_s=9000.0, wall_s=5.0)
+    sim = probe.sim_params(VLLM)
+    assert (sim.kv_tokens, sim.max_model_len, sim.max_num_seqs) == (4096, 2048, 16)
+    assert sim.per_seq_ms == pytest.approx(1.0) and sim.decode_step_ms == pytest.approx(19.0)
+    [s1, s2], header = vllm_plan(20.0, {"S1", "S2"}, sim)
+    assert len(s2.specs) > len(s1.specs) > 0
+    assert max(s.prompt_tokens + s.output_tokens for s in s2.specs) <= VLLM.max_model_len
+    assert header.startswith("The simulator twin's pool: 2 simulated backends x 4,096")
+    with pytest.raises(SystemExit):
+        vllm_plan(20.0, {"G"}, sim)
+
+
+def test_client_takes_the_models_own_end_as_completed() -> None:
+    """vLLM's random weights end an answer now and then: with `model_may_end` an answer
+    ended `stop` before its recorded length is completed (`model_ended`), one that ends
+    without a finish_reason is still `ended_early`, and the rest are hung up on."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = len(body["messages"][0]["content"]) // 4
+        try:
+            for i in range(400):  # bounded
+                if i == 5 and n % 3 == 1:
+                    await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"},'
+                                     b'"finish_reason":"stop"}]}\n\n')
+                    break
+                if i == 5 and n % 3 == 2:
+                    break
+                await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"},'
+                                 b'"finish_reason":null}]}\n\n')
+                await asyncio.sleep(0.002)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        return resp
+
+    builder = PromptBuilder(load_counter(QWEN))
+    specs = [RequestSpec(arrival_s=0.01 * i, prompt_tokens=p, output_tokens=20)
+             for i, p in enumerate(range(40, 46))]
+
+    async def scenario() -> list[Any]:
+        async with fake_backend(chat) as base:
+            run = await run_open_loop([base], specs, builder, hard_stop_s=10,
+                                      behaviour=Behaviour.NONE, hang_up_at_output=True,
+                                      sim_fields=False, model_may_end=True)
+            return run.results
+
+    for r in asyncio.run(scenario()):
+        n = len(builder.body(r.spec, behaviour=Behaviour.NONE)["messages"][0]["content"]) // 4
+        if n % 3 == 0:
+            assert completed(r) and r.hung_up and not r.model_ended and r.tokens_out == 20
+        elif n % 3 == 1:
+            assert completed(r) and r.model_ended and r.tokens_out == 6 and r.finish == "stop"
+        else:
+            assert r.code == ENDED_EARLY and not completed(r)
+
+
+def test_bench_peers_config_in_front_of_vllm(tmp_path: Path) -> None:
+    """`bench_peers --engine vllm`: kvgate in front of one vLLM server, kind vllm,
+    adaptive, its served name and pool."""
+    from benchmarks.bench_peers import VLLM_BLOCK, VLLM_BLOCKS, VLLM_NAME, kvgate_config
+    from proxy.config import load_config
+
+    config = load_config(kvgate_config(tmp_path, 9, "http://127.0.0.1:1", vllm_dir=QWEN))
+    model = config.models[0]
+    assert model.name == VLLM_NAME
+    assert model.backends[0].kind.value == "vllm"
+    assert model.reservation.value == "adaptive"
+    assert model.capacity_tokens == (VLLM_BLOCKS - 1) * VLLM_BLOCK
+    assert model.block_size == VLLM_BLOCK

@@ -190,6 +190,9 @@ class Cluster:
     capacity: int
     samples: list[Sample] = field(default_factory=list)
     results: list[Result] = field(default_factory=list)
+    model: str = MODEL  # the served name, as kvgate's /admin/state keys it
+    # engines shared by runs (vLLM): their preemption count when this run began
+    preemptions_base: int = 0
 
     @property
     def targets(self) -> list[str]:
@@ -210,6 +213,7 @@ class Cluster:
                 totals["preemptions"] += m["vllm:num_preemptions_total"]
                 totals["prefix_hits"] += m.get("vllm:prefix_cache_hits_total", 0.0)
                 totals["prefix_queries"] += m.get("vllm:prefix_cache_queries_total", 0.0)
+            totals["preemptions"] -= self.preemptions_base
             if self.proxy:
                 async with s.get(f"{self.proxy}/metrics") as resp:
                     text = await resp.text()
@@ -237,9 +241,10 @@ class Cluster:
             targets: tuple[int, ...] = ()
             if self.proxy:
                 async with s.get(f"{self.proxy}/admin/state") as resp:
-                    model = (await resp.json())["models"][MODEL]
+                    model = (await resp.json())["models"][self.model]
                 by_name = model["backends"]  # sim-0, sim-1, ...: the engines' order
-                views = [by_name[k] for k in sorted(by_name, key=lambda k: int(k[4:]))]
+                views = [by_name[k] for k in sorted(
+                    by_name, key=lambda k: int(k.rsplit("-", 1)[1]))]
                 reserved = sum(b["resident_tokens"] for b in views)
                 queued = int(model["queue_depth"])
                 held = tuple(int(b["resident_tokens"]) for b in views)
@@ -248,7 +253,8 @@ class Cluster:
         self.samples.append(Sample(
             t=t, kv_use=kv_use, resident=round(kv_use * self.capacity), reserved=reserved,
             capacity=self.capacity, queued=queued, engine_waiting=waiting, running=running,
-            preemptions=preemptions, kv_per_backend=tuple(per_backend),
+            preemptions=preemptions - self.preemptions_base,
+            kv_per_backend=tuple(per_backend),
             client_held=client_held(self.results), reserved_per_backend=held,
             target_per_backend=targets))
 
@@ -259,7 +265,7 @@ class Cluster:
                 async with s.get(f"{url}/metrics") as resp:
                     total += int(parse_vllm_metrics(await resp.text())
                                  ["vllm:num_preemptions_total"])
-            return total
+            return total - self.preemptions_base
 
 
 def _start(cmd: list[str], log: Path, port: int, name: str,

@@ -25,11 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +44,7 @@ from benchmarks.suite.cluster import (
     free_port,
     to_toml,
 )
+from benchmarks.suite.engine_run import Probe, RealEngine, measure_streams
 from benchmarks.suite.loadgen import Result, Sample, client_held
 from proxy.stack import stop_process
 
@@ -61,6 +60,14 @@ class LlamaParams:
     @property
     def max_model_len(self) -> int:
         return self.ctx_size  # unified: one slot may hold the whole pool
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.ctx_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.parallel
 
 
 # The fields every body sends to llama-server: its served name, no prompt cache reuse,
@@ -191,74 +198,66 @@ def llama_cluster(params: LlamaParams, *, gate: GateSettings | None = None,
                 e.stop()
 
 
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """What the two servers measured side by side, before the runs."""
-
-    prompt_tokens: int
-    output_tokens: int
-    step_ms: dict[int, float]  # streams per server -> ms per token of one stream
-    prefill_tokens_per_s: float
-    wall_s: float
-
-    def sim_params(self, params: LlamaParams) -> SimParams:
-        """The simulator fitted to the probe: step = a + b x running, the same pools and
-        slots (max_num_seqs), prefill at the measured rate, no prefix caching."""
-        (n1, t1), (n2, t2) = sorted(self.step_ms.items())[:1] + sorted(self.step_ms.items())[-1:]
-        per_seq = max(0.0, (t2 - t1) / (n2 - n1)) if n2 != n1 else 0.0
-        base = max(0.1, t1 - per_seq * n1)
-        return SimParams(kv_tokens=params.ctx_size, decode_step_ms=round(base, 3),
-                         per_seq_ms=round(per_seq, 3),
-                         prefill_tokens_per_s=round(self.prefill_tokens_per_s),
-                         max_model_len=params.max_model_len, max_num_seqs=params.parallel)
-
-
-async def _probe_stream(s: aiohttp.ClientSession, url: str, prompt_words: int,
-                        output: int) -> tuple[float, float, int]:
-    body = {**LLAMA_BODY, "messages": [{"role": "user", "content": " the" * prompt_words}],
-            "max_tokens": output, "stream": True}
-    start = time.perf_counter()
-    first = None
-    chunks = 0
-    async with s.post(f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise StartFailed(f"probe: llama-server answered {resp.status}")
-        async for line in resp.content:
-            if b'"delta":{"content":"' in line:
-                chunks += 1
-                if first is None:
-                    first = time.perf_counter() - start
-    end = time.perf_counter() - start
-    return first or end, end, chunks
-
-
 def probe(params: LlamaParams, *, prompt_tokens: int, concurrency: Sequence[int] = (1, 3),
           output_tokens: int = 160, backends: int = 2) -> Probe:
-    """Both servers at once, `n` streams each for each n in `concurrency`: decode time per
-    token of one stream at that load, and prefill rate from the single streams' first
-    token. Bounded: a few requests, 120 s."""
-    started = time.perf_counter()
-
-    async def measure(urls: list[str]) -> Probe:
-        steps: dict[int, float] = {}
-        prefill: list[float] = []
-        connector = aiohttp.TCPConnector(force_close=True)  # llama-server closes anyway
-        async with aiohttp.ClientSession(connector=connector) as s, asyncio.timeout(120):
-            await asyncio.gather(*(_probe_stream(s, u, 32, 8) for u in urls))  # warm up
-            for n in concurrency:
-                got = await asyncio.gather(*(_probe_stream(s, u, prompt_tokens, output_tokens)
-                                             for u in urls for _ in range(n)))
-                steps[n] = 1000 * statistics.median(
-                    (end - first) / max(1, chunks - 1) for first, end, chunks in got)
-                if n == min(concurrency):
-                    prefill += [prompt_tokens / first for first, _, _ in got]
-        return Probe(prompt_tokens=prompt_tokens, output_tokens=output_tokens, step_ms=steps,
-                     prefill_tokens_per_s=statistics.median(prefill),
-                     wall_s=time.perf_counter() - started)
-
+    """Both servers at once, `n` streams each for each n in `concurrency` (see
+    `engine_run.measure_streams`). Bounded: a few requests, 120 s."""
     with llama_cluster(params, backends=backends) as c:
-        return asyncio.run(measure(c.servers))
+        return asyncio.run(measure_streams(
+            c.servers, LLAMA_BODY, prompt_tokens=prompt_tokens, concurrency=concurrency,
+            output_tokens=output_tokens, fresh_connections=True))
+
+
+def llama_engine(params: LlamaParams) -> RealEngine:
+    """llama-servers of `params` as a `RealEngine` for `engine_run.run_target`."""
+    return RealEngine(
+        name="llama.cpp", what="llama-server", body=LLAMA_BODY,
+        cluster=lambda gate, backends: llama_cluster(params, gate=gate, backends=backends))
+
+
+def llama_header(llama: LlamaParams, measured: Probe, sim: SimParams, version: str) -> str:
+    steps = ", ".join(f"{n} stream{'s' if n > 1 else ''} each: {ms:.2f} ms"
+                      for n, ms in sorted(measured.step_ms.items()))
+    return (
+        f"Engine: 2 llama.cpp `llama-server`s ({version}), the tiny random-weight Qwen3 "
+        f"(real Qwen3 tokenizer and chat template), each `--ctx-size {llama.ctx_size} "
+        f"--parallel {llama.parallel} --kv-unified --threads {llama.threads}`: one "
+        f"{llama.ctx_size:,}-token KV pool per server shared by {llama.parallel} slots. "
+        "kvgate in front: `kind = \"llama.cpp\"`, `slots = "
+        f"{llama.parallel}`, `kv_tokens = max_model_len = {llama.ctx_size}`, `block_size = "
+        "1`, `prefix_sharing = \"off\"`; the `adaptive` target is written as "
+        "`reservation = \"adaptive\"` as it is for the simulator.\n\n"
+        f"Measured before the runs, both servers at once ({measured.prompt_tokens}-word "
+        f"prompts, {measured.output_tokens} tokens, {measured.wall_s:.0f} s): time per "
+        f"token of one stream with {steps}; prefill about "
+        f"{measured.prefill_tokens_per_s:,.0f} tokens/s (first token of the single streams). "
+        f"The simulator twin is fitted to that: {sim.kv_tokens:,} KV tokens and at most "
+        f"{sim.max_num_seqs} running sequences per backend, decode step "
+        f"{sim.decode_step_ms} ms + {sim.per_seq_ms} ms per running sequence, prefill "
+        f"{sim.prefill_tokens_per_s:,.0f} tokens/s, max_model_len {sim.max_model_len:,}, "
+        "no prefix caching. Loads are calibrated as for the simulator (Little's law at the "
+        "recorded lengths on the fitted step time), so 1x is the same rate for both.\n\n"
+        "What differs from the simulator's runs: (1) the model never samples EOS, so each "
+        "client closes its stream once it has read the request's recorded output length in "
+        "content chunks (the model's end played by the client; llama-server stops the "
+        "request when the connection goes, kvgate releases its lease on the disconnect); "
+        "no body carries that length, neither as `max_tokens` nor as `sim_output_tokens` "
+        "(the simulator's runs send `sim_output_tokens`, which only the simulator reads); "
+        "a llama-server chunk can hold more than one token, so an answer may run a few "
+        "tokens past its recorded length before the client hangs up; (2) bodies to "
+        "llama-server carry `\"cache_prompt\": false`, `\"temperature\": 0` (greedy: the "
+        "random model then never picks its end-of-generation token; sampled, it does now "
+        "and then) and the model name `tiny-qwen3`; "
+        "(3) llama.cpp preempts nothing: when a server's pool overflows its running "
+        "requests fail (an error status, an error event mid-stream, or an answer that "
+        "ends short of its length: all counted as engine failures), where the simulator "
+        "preempts and recomputes as vLLM does; (4) llama-server reports no KV use, so the "
+        "KV figures compared are the clients' view (prompt + tokens streamed so far over "
+        "the open streams, as a share of both pools), taken the same way on both; "
+        "(5) llama-server computes on the same 2 CPU cores as the clients, kvgate and "
+        "whatever else runs on the machine, the simulator only sleeps.")
 
 
 __all__ = ["LLAMA_BODY", "LLAMA_MODEL", "MODEL", "LlamaCluster", "LlamaParams", "Probe",
-           "kvgate_llama_config", "llama_cluster", "parse_llama_metrics", "probe"]
+           "kvgate_llama_config", "llama_cluster", "llama_engine", "llama_header",
+           "parse_llama_metrics", "probe"]

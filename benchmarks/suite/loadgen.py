@@ -60,6 +60,7 @@ class Result:
     deadline_s: float | None = None
     backend: int = -1  # the target index it was sent to (a backend when direct)
     hung_up: bool = False  # the client closed the stream at the recorded output length
+    model_ended: bool = False  # the engine ended it ("stop") before that length
     finish: str | None = None  # the last finish_reason streamed, if any
     last_line: bytes = b""  # the stream's last non-empty line (what an early end said)
     message: str = ""  # an error body's message (tells a predicted refusal from a wait)
@@ -135,14 +136,15 @@ def client_held(results: Sequence[Result]) -> int:
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                headers: dict[str, str], result: Result, t0: float,
-               give_up_s: float | None = None, hang_up_at: int | None = None) -> None:
+               give_up_s: float | None = None, hang_up_at: int | None = None,
+               model_may_end: bool = False) -> None:
     start = time.perf_counter()
     result.sent_s = start - t0
     first_token = asyncio.timeout(give_up_s)  # disarmed when the first token arrives
     try:
         async with first_token:
             await _exchange(session, url, body, headers, result, start, first_token,
-                            hang_up_at)
+                            hang_up_at, model_may_end)
     except TimeoutError:
         if not first_token.expired():
             raise
@@ -153,7 +155,8 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
 
 async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                     headers: dict[str, str], result: Result, start: float,
-                    first_token: asyncio.Timeout, hang_up_at: int | None = None) -> None:
+                    first_token: asyncio.Timeout, hang_up_at: int | None = None,
+                    model_may_end: bool = False) -> None:
     async with session.post(f"{url}/v1/chat/completions", json=body,
                             headers=headers) as resp:
         result.status = resp.status
@@ -199,6 +202,10 @@ async def _exchange(session: aiohttp.ClientSession, url: str, body: dict[str, An
                 usage = json.loads(line[6:]).get("usage") or {}
                 result.tokens_out = int(usage.get("completion_tokens", result.tokens_out))
         if hang_up_at is not None and not result.hung_up and result.code is None:
+            if model_may_end and result.finish == "stop" and result.tokens_out > 0:
+                result.model_ended = True  # the model's own end, before the recorded one
+                result.latency_s = time.perf_counter() - start
+                return
             result.code = ENDED_EARLY  # the engine stopped the answer short of its length
         result.latency_s = time.perf_counter() - start
 
@@ -225,6 +232,7 @@ async def run_open_loop(
     hang_up_at_output: bool = False, watch: Callable[[list[Result]], Any] | None = None,
     body_extra: dict[str, Any] | None = None, sim_fields: bool = True,
     fresh_connections: bool = False, retries: int = 0, retry_cap_s: float = RETRY_CAP_S,
+    model_may_end: bool = False,
 ) -> Run:
     """Send each spec at its arrival time, round-robin over `targets`, or to
     `targets[route(body)]` when `route` is given.
@@ -243,6 +251,8 @@ async def run_open_loop(
     after every streamed answer, so a pooled one may be stale when reused).
     `retries` (0 or 1): a refused request waits its Retry-After (at most `retry_cap_s`)
     and tries once more with its ticket (see the module's note).
+    `model_may_end`: with `hang_up_at_output`, an answer the engine ends with
+    `finish_reason "stop"` before its length is completed (`model_ended`).
     """
     if retries not in (0, 1):
         raise ValueError("retries: 0 or 1")
@@ -267,7 +277,7 @@ async def run_open_loop(
             hang_up_at = spec.output_tokens if hang_up_at_output else None
             try:
                 await _one(session, targets[picks[i]], bodies[i], headers,
-                           results[i], t0, give_up_s, hang_up_at)
+                           results[i], t0, give_up_s, hang_up_at, model_may_end)
                 first = results[i]
                 if retries and first.status in RETRYABLE and first.retry_after_s is not None:
                     # the retry stands in the live list while it waits: open, not refused
@@ -278,7 +288,7 @@ async def run_open_loop(
                     await asyncio.sleep(retry.retry_wait_s)
                     again = headers | ({TICKET_HEADER: first.ticket} if first.ticket else {})
                     await _one(session, targets[picks[i]], bodies[i], again, retry, t0,
-                               give_up_s, hang_up_at)
+                               give_up_s, hang_up_at, model_may_end)
                     _from_first_send(retry, first)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 results[i].code = f"client_error:{type(exc).__name__}"

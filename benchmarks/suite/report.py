@@ -360,26 +360,39 @@ def held_mean(run: Run) -> float | None:
     return statistics.mean(held) if held else None
 
 
-def engine_comparison(pairs: list[tuple[Summary, Run, Summary | None, Run | None]]) -> str:
-    """Per target: llama.cpp next to the simulator fitted to it, on the same requests."""
-    lines = ["| target | completed / offered (llama.cpp vs sim) | goodput/s (llama.cpp vs sim) "
-             "| goodput ratio llama.cpp / sim | engine failures (llama.cpp vs sim) | kvgate "
-             "refusals (llama.cpp vs sim) | abandoned or cut (llama.cpp vs sim) | KV held, "
-             "clients' view, mean (llama.cpp vs sim) | sim engine-reported KV use mean |",
-             "|" + "---|" * 9]
+def engine_comparison(pairs: list[tuple[Summary, Run, Summary | None, Run | None]],
+                      engine: str = "llama.cpp", engine_kv: bool = False) -> str:
+    """Per target: a real engine next to the simulator fitted to it, on the same requests.
+    `engine_kv` (vLLM): both report their own KV use and preemptions, compared as such;
+    else (llama-server reports none) the clients' view of KV held is compared."""
+    e = engine
+    kv_head = (f"preemptions ({e} vs sim) | engine-reported KV use mean ({e} vs sim) | "
+               f"KV held, clients' view, mean ({e} vs sim) |" if engine_kv else
+               f"KV held, clients' view, mean ({e} vs sim) | sim engine-reported KV use "
+               "mean |")
+    lines = [f"| target | completed / offered ({e} vs sim) | goodput/s ({e} vs sim) "
+             f"| goodput ratio {e} / sim | engine failures ({e} vs sim) | kvgate "
+             f"refusals ({e} vs sim) | abandoned or cut ({e} vs sim) | " + kv_head,
+             "|" + "---|" * (10 if engine_kv else 9)]
     for real, real_run, sim, sim_run in pairs:
         rf, rr, rg = outcome_split(real.rejections)
         if sim is None or sim_run is None:
+            kv = (f"{real.preemptions} vs - | {_share(real.kv_use_mean)} vs - | "
+                  f"{_share(held_mean(real_run))} vs - |" if engine_kv else
+                  f"{_share(held_mean(real_run))} vs - | - |")
             lines.append(f"| {real.label} | {real.completed}/{real.offered} vs - | "
                          f"{real.goodput_per_s:.2f} vs - | - | {rf} vs - | {rr} vs - | "
-                         f"{rg} vs - | {_share(held_mean(real_run))} vs - | - |")
+                         f"{rg} vs - | " + kv)
             continue
         sf, sr, sg = outcome_split(sim.rejections)
         ratio = (f"{real.goodput_per_s / sim.goodput_per_s:.2f}x" if sim.goodput_per_s
                  else "-")
+        held = f"{_share(held_mean(real_run))} vs {_share(held_mean(sim_run))}"
+        kv = (f"{real.preemptions} vs {sim.preemptions} | {_share(real.kv_use_mean)} vs "
+              f"{_share(sim.kv_use_mean)} | {held} |" if engine_kv else
+              f"{held} | {_share(sim.kv_use_mean)} |")
         lines.append(
             f"| {real.label} | {real.completed}/{real.offered} vs {sim.completed}/"
             f"{sim.offered} | {real.goodput_per_s:.2f} vs {sim.goodput_per_s:.2f} | {ratio} | "
-            f"{rf} vs {sf} | {rr} vs {sr} | {rg} vs {sg} | {_share(held_mean(real_run))} vs "
-            f"{_share(held_mean(sim_run))} | {_share(sim.kv_use_mean)} |")
+            f"{rf} vs {sf} | {rr} vs {sr} | {rg} vs {sg} | " + kv)
     return "\n".join(lines)
