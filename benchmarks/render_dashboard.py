@@ -32,9 +32,10 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.run import DEADLINE_S, MAX_OUTPUT, MAX_PROMPT, rate_for
 from benchmarks.suite.cluster import GateSettings, SimParams, cluster
+from benchmarks.suite.engine_run import DEADLINE_S
 from benchmarks.suite.loadgen import run_open_loop
+from benchmarks.suite.plan import MAX_OUTPUT, MAX_PROMPT, rate_for
 from benchmarks.suite.promql import Labels, Query, Store, legend
 from benchmarks.suite.workloads import Behaviour, PromptBuilder, load_azure, replay
 from proxy.tokenize import TokenCounter, load_counter
