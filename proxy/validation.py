@@ -286,15 +286,19 @@ def _surrogate(where: str, text: str) -> InvalidRequest:
     )
 
 
+# One for every body, as `json.loads` keeps one: building it (its C scanner) per
+# request was work on the request path; it holds no state between calls.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def parse_body(raw: bytes) -> Any:
     """JSON as kvgate accepts it: UTF-8 text, finite numbers only, at most `MAX_JSON_DEPTH`
     levels deep, every string encodable. Any other input is `InvalidRequest`, never an
     exception the server did not expect (a RecursionError, a 4300-digit integer)."""
     text, decoded_surrogates = _decode(raw)
     try:
-        decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
-        body = (decoder.decode(text) if len(text) <= SLICED_CHARS else
-                loads_sliced(text, decoder, max_depth=MAX_JSON_DEPTH))
+        body = (_DECODER.decode(text) if len(text) <= SLICED_CHARS else
+                loads_sliced(text, _DECODER, max_depth=MAX_JSON_DEPTH))
     except (RecursionError, TooDeep) as exc:
         raise _fail(
             f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
