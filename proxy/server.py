@@ -337,5 +337,11 @@ async def start_proxy(
     await runner.setup()
     site = web.TCPSite(runner, host or config.server.host,
                        config.server.port if port is None else port)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        # A port taken: shut down what setup started (the ledger's listener stops only
+        # on close, so a bare exit would wait on it forever) and say why.
+        await runner.cleanup()
+        raise
     return runner

@@ -45,16 +45,38 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> No
         proc.wait(timeout=10)
 
 
-def wait_port(port: int, proc: subprocess.Popen[bytes], name: str, timeout_s: float = 30) -> None:
+def _log_tail(log: Path, lines: int = 20) -> str:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    tail = "\n".join(text.splitlines()[-lines:])
+    return f"; last lines of {log}:\n{tail}" if tail else ""
+
+
+def _exited(name: str, proc: subprocess.Popen[bytes], log: Path | None = None) -> RuntimeError:
+    """Why a child is gone, with the end of its log: the status alone (2 is any
+    OSError, a port taken among them) tells an operator nothing."""
+    tail = _log_tail(log) if log is not None else ""
+    return RuntimeError(f"{name} exited with status {proc.returncode}{tail}")
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], name: str, timeout_s: float = 30,
+              log: Path | None = None) -> None:
+    """Until the child accepts on `port`. A connection whose two ends are the same
+    address is the kernel connecting the probe to itself (TCP simultaneous open, when
+    the probe's ephemeral port happens to be `port`), not the child listening."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with status {proc.returncode}")
+            raise _exited(name, proc, log)
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+                if sock.getsockname() != sock.getpeername():
+                    return
         except OSError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
     raise RuntimeError(f"{name} did not open port {port} within {timeout_s:.0f} s")
 
 
@@ -92,9 +114,10 @@ def run_local_stack(*, base_port: int, workdir: Path, kv_tokens: int,
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def spawn(name: str, args: list[str], port: int) -> None:
-        proc = spawn_logged(args, workdir / f"{name}.log")
+        log = workdir / f"{name}.log"
+        proc = spawn_logged(args, log)
         procs.append((name, proc))
-        wait_port(port, proc, name)
+        wait_port(port, proc, name, log=log)
 
     kvgate = [sys.executable, "-m", "proxy"]
     try:
@@ -129,7 +152,7 @@ def run_local_stack(*, base_port: int, workdir: Path, kv_tokens: int,
         while not stop:
             for name, proc in procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with status {proc.returncode}")
+                    raise _exited(name, proc, workdir / f"{name}.log")
             time.sleep(0.2)
     finally:
         for _name, proc in reversed(procs):

@@ -21,6 +21,7 @@ import yaml
 
 from proxy.cli import check_config_report, main
 from proxy.config import parse_config
+from tests.support.ports import free_port_range
 from tests.support.servers import wait_status
 from tests.support.tasks import stop
 
@@ -140,28 +141,8 @@ def test_example_configs_derive_the_documented_capacities() -> None:
     assert "456,208 tokens" in docs and "42,144 tokens" in docs
 
 
-def free_base_port(span: int = 6) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span > 65535:
-            continue
-        ok = True
-        for port in range(base, base + span):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
-
-
 def test_local_stack_through_load_balancer_holds_ceiling_across_replicas(tmp_path: Path) -> None:
-    base = free_base_port()
+    base = free_port_range(6)
     kv_tokens = 2048
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "local-stack", "--base-port", str(base),
@@ -228,6 +209,26 @@ def test_local_stack_through_load_balancer_holds_ceiling_across_replicas(tmp_pat
     time.sleep(0.2)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", base)) != 0  # the stack stopped with it
+
+
+def test_local_stack_names_a_replica_that_could_not_bind_and_shows_its_log(
+        tmp_path: Path) -> None:
+    """A taken port is the commonest reason a child dies at start: the stack says which
+    child, and its log's last lines say why, instead of a bare exit status."""
+    base = free_port_range(6)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", base + 1))  # kvgate-1's port
+        squatter.listen()
+        done = subprocess.run(
+            [sys.executable, "-m", "proxy", "local-stack", "--base-port", str(base),
+             "--workdir", str(tmp_path), "--kv-tokens", "2048"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "kvgate-1 exited with status" in done.stderr, done.stderr
+    assert "address already in use" in done.stderr.lower(), done.stderr
+    with socket.socket() as s:  # nothing it started is left behind
+        for port in (base, base + 2, base + 3, base + 4, base + 5):
+            assert s.connect_ex(("127.0.0.1", port)) != 0, port
 
 
 # ----------------------------------------------------------------------------- observe profile

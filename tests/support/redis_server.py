@@ -9,19 +9,13 @@ import time
 from pathlib import Path
 
 from proxy.redis_scripts import REFS_WIDE_FIELD
+from tests.support.ports import free_port
 
 
 def block_fields(fields: list[bytes]) -> list[bytes]:
     """The fields of a backend's refs hash that are block keys: all but the one that
     keeps the hash a hash table (`proxy.redis_scripts.REFS_WIDE_FIELD`)."""
     return [f for f in fields if f != REFS_WIDE_FIELD.encode()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class RedisServer:
