@@ -20,9 +20,8 @@ from typing import Any
 import pytest
 
 from proxy.stack import stop_process, wait_port
-from tests.support.redis_server import free_port
+from tests.support.ports import free_port, free_port_range
 from tests.support.reference import hf_count, hf_tokenizer
-from tests.test_deploy import free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT / "models" / "qwen3-14b"
@@ -188,7 +187,7 @@ def test_installed_local_stack_serves_through_nginx(
 ) -> None:
     """Redis, two sims, two replicas and nginx from the installed package (model and nginx
     template are package data), started from a directory with nothing of kvgate in it."""
-    base = free_base_port()
+    base = free_port_range(6)
     spawn(["local-stack", "--base-port", str(base), "--workdir", str(workdir / "stack"),
            "--kv-tokens", "2048", "--decode-step-ms", "1"], base)
     status, headers, body = _post(f"http://127.0.0.1:{base}/v1/chat/completions", CHAT)
