@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -265,6 +266,31 @@ def test_tokenizers_path_survives_a_million_spaces() -> None:
     which takes such runs: one class is enough to show the path is the same."""
     c = counter("gemma-3-12b-it")
     assert counted(lambda: c.count_prompt(hostile(" "))) == REFERENCE["gemma-3-12b-it"]["space"]
+
+
+def _low_priority_thread() -> tuple[int, float]:
+    """(nice, CPU seconds) of the low-priority thread, from the kernel's own record."""
+    [thread] = [t for t in threading.enumerate() if t.name.startswith("kvgate-low")]
+    stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+    fields = stat.rpartition(")")[2].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return int(fields[16]), ticks / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_a_long_whitespace_run_is_encoded_at_the_lowest_priority() -> None:
+    """The BPE of a run of a million spaces is one call of ~1 s that no cut shortens: it
+    runs on the thread at nice 19 (`proxy.tokenize.low_priority`), which shows the CPU
+    it took, and from an async count too; the count is the reference's."""
+    c = counter("qwen3-14b")
+    text = hostile(" ")
+    c.count_prompt(" " * 10)  # nothing long: nothing for the thread
+    assert counted(lambda: c.count_prompt(text)) == REFERENCE["qwen3-14b"]["space"]
+    nice, cpu_s = _low_priority_thread()
+    assert nice == 19
+    assert cpu_s >= 0.1  # the run's encode, not the rest of the text's
+    assert counted(lambda: asyncio.run(c.count_prompt_async(text + "x"))) > 0
+    assert _low_priority_thread()[1] >= cpu_s + 0.1
 
 
 @pytest.mark.parametrize(("name", "checked"), [
