@@ -56,7 +56,6 @@ from proxy.tokenize.guard import (
     is_library_failure,
     whitespace_runs,
 )
-from proxy.tokenize.low_priority import run_low_priority
 
 __all__ = ["ByteLevelBPEEncoder", "FastPlan", "fast_bpe_enabled", "plan_fast_bpe", "try_fast"]
 
@@ -342,10 +341,8 @@ class ByteLevelBPEEncoder:
     def _reference_run(self, run: str) -> list[int]:
         """A whitespace run too long for the core's regex, by the reference in a call
         that releases the GIL (one piece there too: the same pattern; NFC leaves
-        whitespace alone), at the lowest priority: ~3 s of a core for 4 MB, taken
-        from no one who needs it (`proxy.tokenize.low_priority`)."""
-        encodings = run_low_priority(self._ref.tokenizer.encode_batch, [run], False)
-        ids: list[int] = encodings[0].ids
+        whitespace alone). The cutter runs it at the lowest priority."""
+        ids: list[int] = self._ref.tokenizer.encode_batch([run], False)[0].ids
         return ids
 
     def _long(self, piece: str) -> list[int]:

@@ -23,7 +23,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -303,7 +303,39 @@ def run_cutter(enc: Any) -> RunCutter | None:
         return None
     core = enc._core_bpe
     return RunCutter(pattern, encode_ordinary=enc.encode_ordinary,
-                     encode_piece=core.encode_single_piece)
+                     encode_piece=core.encode_single_piece,
+                     encode_long_run=gil_free_piece(enc))
+
+
+_NO_TEXT = b"\xff"  # a byte no UTF-8 text holds
+
+
+def gil_free_piece(enc: Any) -> Callable[[str], list[int]] | None:
+    """BPE of one piece in a call that releases the GIL, for a `tiktoken.Encoding`
+    where it is exact; None elsewhere.
+
+    The core's `encode_single_piece` holds the GIL: 3.4 s for a 4 MB whitespace run
+    (o200k), the event loop frozen all that time. Its `_encode_bytes` releases it and,
+    given bytes that are not UTF-8 from their first byte on, is BPE of them all
+    (`byte_pair_encode`, what `encode_single_piece` runs). So the piece goes in behind
+    0xFF, where 0xFF is a token and no other token holds that byte: no merge can join
+    it to the piece, so BPE of the two is [0xFF] + BPE of the piece (BPE's merges never
+    cross a boundary no merge rule spans). tests/test_hostile_counting.py checks it
+    against `encode_single_piece`, per encoding.
+    """
+    ranks: dict[bytes, int] | None = getattr(enc, "_mergeable_ranks", None)
+    core = getattr(enc, "_core_bpe", None)
+    if (not ranks or core is None or not hasattr(core, "_encode_bytes")
+            or _NO_TEXT not in ranks
+            or any(0xFF in token for token in ranks if token != _NO_TEXT)):
+        return None
+    encode_bytes = core._encode_bytes
+
+    def bpe(piece: str) -> list[int]:
+        ids: list[int] = encode_bytes(_NO_TEXT + piece.encode("utf-8"))
+        return ids[1:]
+
+    return bpe
 
 
 class TiktokenEncoder:

@@ -36,6 +36,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from proxy.tokenize.low_priority import run_low_priority
+
 __all__ = ["CORE_RUN", "LONG_RUN", "PATTERNS", "WHITESPACE", "CountFailed", "PatternFacts",
            "RunCheck", "RunCutter", "gap_runs", "is_library_failure", "is_panic",
            "whitespace_runs"]
@@ -232,8 +234,10 @@ class RunCutter:
                  encode_piece: Callable[[bytes], list[int]], min_run: int = _STEP,
                  encode_long_run: Callable[[str], list[int]] | None = None) -> None:
         """`encode_long_run`: BPE of a run too long for the core's regex, without the
-        GIL (`tokenizers`' `encode_batch` releases it, `encode_single_piece` does not:
-        4 MB of spaces held every other thread for 2.5 s); `encode_piece` otherwise."""
+        GIL (`tokenizers`' `encode_batch` releases it, and tiktoken's core given bytes
+        that are not text, `encoders.gil_free_piece`; `encode_single_piece` does not:
+        4 MB of spaces held every other thread for 2.5-3.4 s); `encode_piece`
+        otherwise."""
         facts = PATTERNS[pattern]
         cls = re.escape(_HORIZONTAL if facts.newline_branch else WHITESPACE)
         # Anchored at a run's start, so each run is scanned once, not from each character.
@@ -246,11 +250,13 @@ class RunCutter:
         """BPE of one run, as one piece. Up to `CORE_RUN` characters through the core's
         own regex, which releases the GIL: a run of the run class alone is one match
         there (no branch before the whitespace ones matches at its start, and
-        `\\s++$` or `\\s+(?!\\S)` takes it whole at the end of the text)."""
+        `\\s++$` or `\\s+(?!\\S)` takes it whole at the end of the text). Calls that
+        release the GIL run at the lowest priority (`proxy.tokenize.low_priority`):
+        one is up to seconds of a core that no cut can shorten."""
         if len(run) <= CORE_RUN:
-            return self._encode(run)
+            return run_low_priority(self._encode, run)
         if self._long_run is not None:
-            return self._long_run(run)
+            return run_low_priority(self._long_run, run)
         return self._piece(run.encode("utf-8"))
 
     def encode(self, text: str) -> list[int]:
