@@ -429,3 +429,46 @@ def test_an_assertion_in_a_stopped_background_check_reaches_the_test() -> None:
         assert idle.cancelled()
 
     asyncio.run(scenario())
+
+
+def test_sim_answers_health_probes_while_it_counts_a_large_body() -> None:
+    """A 3 MB prompt is counted in a thread: the server's loop keeps answering (kvgate's
+    health probes, other streams) meanwhile, as an engine's serving loop does. Counted
+    inline, it answered nothing for the seconds the count took."""
+
+    async def scenario() -> None:
+        async with running_sim(kv_tokens=65536, output_length=OutputLength.MAX,
+                               max_model_len=131072, model="qwen3",
+                               model_dir=str(MODELS / "qwen3-14b")) as base, \
+                aiohttp.ClientSession() as s:
+            body = {"model": "qwen3", "max_tokens": 1,
+                    "messages": [{"role": "user", "content": " " * 3_000_000 + "x"}]}
+            answered_during = 0
+            done = asyncio.Event()
+
+            async def probe() -> None:
+                nonlocal answered_during
+                while not done.is_set():
+                    async with s.get(f"{base}/health") as resp:
+                        assert resp.status == 200
+                    if not done.is_set():
+                        answered_during += 1
+                    await asyncio.sleep(0.01)
+
+            async def big() -> dict[str, Any]:
+                try:
+                    async with s.post(f"{base}/v1/chat/completions", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                        data: dict[str, Any] = await resp.json()
+                        return data
+                finally:
+                    done.set()
+
+            prober = asyncio.create_task(probe())
+            async with asyncio.timeout(120):
+                data = await big()
+            await stop(prober)
+            assert data["usage"]["prompt_tokens"] > 1_000
+            assert answered_during >= 5
+
+    asyncio.run(scenario())

@@ -32,6 +32,7 @@ from proxy.errors import InvalidRequest, KvgateError
 from proxy.sim.engine import EngineConfig, FinishReason, Sequence, SimEngine
 from proxy.sim.prompts import Prompt, prompts_of
 from proxy.tokenize import PromptCounter, TemplateError, load_counter
+from proxy.tokenize.cpu_lane import LARGE_BODY_BYTES
 from proxy.validation import Endpoint, ValidRequest, validate
 
 __all__ = ["SimSettings", "build_app", "run_sim"]
@@ -109,10 +110,18 @@ def _text(start: int, end: int) -> str:
 async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
     engine, settings = app[ENGINE_KEY], app[SETTINGS_KEY]
+    raw = await request.read()
+
+    def parse() -> tuple[ValidRequest, _Stopping, list[Prompt]]:
+        req = validate(raw, endpoint)
+        return req, _stopping(req.body), _prompts(app, req)
+
     try:
-        req = validate(await request.read(), endpoint)
-        stopping = _stopping(req.body)
-        prompts = _prompts(app, req)
+        # A large body is parsed and counted in a thread, as an engine's frontend does
+        # off its serving loop: counting 4 MB of one prompt inline took seconds in
+        # which this server answered no health probe and streamed no token.
+        req, stopping, prompts = (await asyncio.to_thread(parse)
+                                  if len(raw) >= LARGE_BODY_BYTES else parse())
     except KvgateError as exc:
         return _error(exc)
     except TemplateError as exc:
