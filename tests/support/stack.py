@@ -48,7 +48,11 @@ async def running_stack(
     server: dict[str, Any] | None = None,
     backend: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    model_name: str = MODEL,
+    max_model_len: int = 8192,
 ) -> AsyncIterator[Stack]:
+    """`model_name`: a folder of `models/`, served by the simulated backends and kvgate
+    alike; `max_model_len`: both sides' context."""
     sims: list[web.AppRunner] = []
     proxy: web.AppRunner | None = None
     try:
@@ -56,7 +60,8 @@ async def running_stack(
             settings = SimSettings(
                 engine=EngineConfig(**{"kv_tokens": kv_tokens, "output_length": OutputLength.MAX,
                                        "seed": i, **(engine or {})}),
-                model=MODEL, model_dir=str(MODELS / MODEL), max_model_len=8192,
+                model=model_name, model_dir=str(MODELS / model_name),
+                max_model_len=max_model_len,
             )
             sims.append(await start_sim(settings, "127.0.0.1", 0))
         urls = [f"http://127.0.0.1:{bound_port(r)}" for r in sims] + (extra_backend_urls or [])
@@ -64,7 +69,8 @@ async def running_stack(
             "server": {"listen": "127.0.0.1:0", "health_interval_s": 0.2, **(server or {})},
             "queue": {"max_depth": 64, "default_deadline_s": 5.0, **(queue or {})},
             "models": [{
-                "name": MODEL, "path": str(MODELS / MODEL), "max_model_len": 8192,
+                "name": model_name, "path": str(MODELS / model_name),
+                "max_model_len": max_model_len,
                 "reservation": "strict",  # the tests of prompt + max_tokens; adaptive has its own
                 "deployment": {"kv_tokens": kv_tokens, "block_size": 16},
                 "backends": [{"name": f"sim-{i}", "url": u, **(backend or {})}
