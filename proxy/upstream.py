@@ -23,6 +23,12 @@ __all__ = ["EngineReader", "LlamaProps", "health_loop", "llama_props"]
 
 log = logging.getLogger("kvgate")
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+MISSED_PROBES_UNHEALTHY = 2
+"""Probes in a row left unanswered within the timeout before a healthy backend counts
+as unhealthy. An engine busy on a long prefill on a saturated host answers its health
+route late: llama-server missed one 2 s probe, and every request of the next seconds
+got 503 `no_backend` while it was serving. A backend that refuses the connection or
+answers 5xx is down at once."""
 
 
 async def _get_text(session: aiohttp.ClientSession, url: str) -> str | None:
@@ -36,11 +42,15 @@ async def _get_text(session: aiohttp.ClientSession, url: str) -> str | None:
         return None
 
 
-async def _probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
+async def _probe(session: aiohttp.ClientSession, backend: Backend) -> bool | None:
+    """Up, down, or None: no answer within the timeout (busy, or gone: the next probes
+    tell which)."""
     try:
         async with session.get(f"{backend.url}/health", timeout=_PROBE_TIMEOUT) as resp:
             return resp.status < 500
-    except (aiohttp.ClientError, TimeoutError):
+    except TimeoutError:
+        return None
+    except aiohttp.ClientError:
         return False
 
 
@@ -89,20 +99,28 @@ async def health_loop(runtime: Runtime, session: aiohttp.ClientSession) -> None:
     count is a second ceiling where the config gives none: more requests would wait
     inside the engine, where no deadline or priority of kvgate's applies."""
     interval = runtime.config.server.health_interval_s
+    missed: dict[str, int] = {}  # probes in a row without an answer, by backend
     while True:
         for gate in runtime.gates.values():
             controller = gate.controller
             for backend, configured in zip(gate.backends, gate.config.backends, strict=True):
-                healthy = await _probe(session, backend)
-                props = None
-                if healthy and configured.kind is EngineKind.LLAMA_CPP:
+                answer = await _probe(session, backend)
+                if answer is None:
+                    missed[backend.name] = missed.get(backend.name, 0) + 1
+                    healthy = (backend.healthy
+                               and missed[backend.name] < MISSED_PROBES_UNHEALTHY)
+                else:
+                    missed[backend.name] = 0
+                    healthy = answer
+                props = None  # read from an engine that answered, not one that is late
+                if answer and configured.kind is EngineKind.LLAMA_CPP:
                     props = llama_props(await _get_text(session, f"{backend.url}/props"))
                 if props is not None and configured.slots is None \
                         and props.total_slots != backend.slots:
                     log.warning("backend %s runs %d requests at once (llama.cpp slots)",
                                 backend.name, props.total_slots)
                     controller.set_slots(backend, props.total_slots)
-                if healthy and gate.config.capacity_from_backend:
+                if answer and gate.config.capacity_from_backend:
                     if configured.kind is EngineKind.LLAMA_CPP:
                         measured = None if props is None else props.n_ctx
                     else:
