@@ -408,8 +408,8 @@ def test_200_queued_streams_through_kvgate_no_502(
 
     async def scenario() -> None:
         # The deadline is far past any wait here: this is the forwarder's test. At 120 s,
-        # on a host saturated by other work, the cold-start forecast refused 5 of the
-        # 200 (429) that would have been served (tests/test_deadlines.py tests that forecast).
+        # on a host saturated by other work, 5 of the 200 were refused 429 (the wait
+        # forecast, tested in tests/test_deadlines.py).
         async with kvgate(llama, model_dir, kv_tokens=256, max_model_len=256,
                           queue={"max_depth": 256, "default_deadline_s": 600.0}) as stack, \
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as s:
