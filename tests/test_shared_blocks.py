@@ -73,6 +73,23 @@ def test_memory_ledger_charges_a_shared_block_once_and_frees_it_with_its_last_ho
     assert led.resident("a") == 0
 
 
+def test_memory_ledger_charges_a_key_repeated_in_one_lease_once() -> None:
+    """No hash chain repeats a key, but the ledger takes them as opaque: a key twice in
+    one lease is one block, whether the keys come as a tuple (a demand's) or a list."""
+    for kind in (tuple, list):
+        led = MemoryLedger()
+        blocks = kind([key(3, 0), key(3, 1), key(3, 0)])
+        assert led.reserve_now("a", "l1", 100, 1000, blocks, BT)
+        assert led.shared_resident("a") == 2 * BT and led.resident("a") == 100
+        led.mark_ready("l1")
+        assert led.reserve_now("a", "l2", 100, 1000, blocks, BT)
+        assert led.shared_tokens("l2") == 2 * BT and led.resident("a") == 200 - 2 * BT
+        led.release("l1")
+        led.release("l2")
+        assert led.resident("a") == 0 and led.shared_resident("a") == 0
+        assert led.ready_blocks("a", blocks) == 0
+
+
 def test_memory_ledger_refuses_what_does_not_fit_after_sharing() -> None:
     led = MemoryLedger()
     blocks = [key(2, i) for i in range(6)]  # 96 shared tokens
