@@ -9,14 +9,15 @@ cache more than its pool). Placement reads it to prefer the backend that would h
 longer prefix; the ledger never does (a cached free block is free capacity, charged
 to the lease that takes it again like any other block).
 
-Every answered lease's keys are remembered when it is released, shared or not: on a
-unique prompt's ~60 keys an `OrderedDict` (a node per key, a Python-level loop to move
-or insert each) was ~0.5 us a key. So the order is a `deque` of remember events and a
-plain dict counts each key's events in it: a release whose keys are all new (every
-unique prompt) is three C-level bulk calls, and the least recent key is the first one
-whose last event leaves the deque's left end (`_evict`).
+Every answered lease's keys are remembered when it is released, shared or not, so a
+unique prompt's ~60 keys are remembered too. Rather than an `OrderedDict` (a linked node
+per key besides its dict slot, and a Python-level loop to move or insert each), the order
+is a `deque` of remember events and a plain dict counts each key's events in it: half
+the memory a key, a release whose keys are all new (every unique prompt) is a few
+C-level bulk calls, and the least recent key is the first one whose last event leaves
+the deque's left end (`_evict`). What stays is probing a table as large as the pool in
+blocks: memory-bound, whatever holds it.
 """
-
 
 from __future__ import annotations
 
