@@ -17,7 +17,7 @@ own `hash` of bytes is salted per process), 16 characters each in the Redis ledg
 A block's key is BLAKE2b-64 of the key before it (the first: of the scope) followed by
 the block's ids; every prompt hashes each of its blocks, shared or not, so the chain
 is hashed from a copy of one empty hash object (`_EMPTY`): a copy skips the
-constructor's parameter parsing and is ~40% cheaper a block, the digest the same.
+constructor's parameter parsing: 25-40% cheaper a block, the digest the same.
 """
 
 from __future__ import annotations
