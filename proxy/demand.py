@@ -55,8 +55,12 @@ class DemandRule:
         self._bounded_by = max_tokens_within_context(self.kinds)
 
     def of(self, req: ValidRequest, prompts: list[int], *, priority: str = "",
-           tenant: str = "") -> tuple[Demand, int | None]:
+           tenant: str = "", blocks: tuple[str, ...] = (),
+           block_tokens: int = 0) -> tuple[Demand, int | None]:
         """Output reservation and context check per prompt; -> (demand, max_tokens to set).
+        `blocks` (its prompt's shared-prefix keys, `block_tokens` each) go into the
+        demand as they are: built once, not copied in (a frozen dataclass's `replace`
+        is a few microseconds a request).
 
         Only a prompt that fills the context is refused; a max_tokens past the context's
         end is forwarded unchanged and reserved up to that end, as the engines serve it.
@@ -108,7 +112,8 @@ class DemandRule:
                 total += req.n * self.ledger_tokens(prompt_tokens + out)
         demand = Demand(tokens=total, prompt_tokens=sum(prompts), max_tokens=reserve_out,
                         n=req.n, priority=priority, tenant=tenant,
-                        min_tokens=min(req.min_tokens, reserve_out), follow=follow)
+                        min_tokens=min(req.min_tokens, reserve_out), follow=follow,
+                        blocks=blocks, block_tokens=block_tokens if blocks else 0)
         return demand, set_to
 
     def refuse_output_over_context(self, req: ValidRequest) -> None:

@@ -230,9 +230,9 @@ class Gate:
             self.metrics.counted(self.name, prompt_tokens=sum(prompts),
                                  seconds=time.perf_counter() - t0)
         record.prompt_tokens = sum(prompts)
-        demand, output_cap = self.demand(req, prompts, priority=ask.priority, tenant=ask.tenant)
-        if blocks and demand.n == 1 and len(prompts) == 1:
-            demand = replace(demand, blocks=blocks, block_tokens=self.config.block_size)
+        keyed = blocks if blocks and req.n == 1 and len(prompts) == 1 else ()
+        demand, output_cap = self.demand(req, prompts, priority=ask.priority, tenant=ask.tenant,
+                                         blocks=keyed, block_tokens=self.config.block_size)
         if ask.ticket is not None and self.tickets.redeem(ask.ticket, self.name, ask.tenant):
             demand = replace(demand, held_place=True)
             record.held_place = True
@@ -283,9 +283,11 @@ class Gate:
 
     # ------------------------------------------------------------------ demand
     def demand(self, req: ValidRequest, prompts: list[int], *, priority: str = "",
-               tenant: str = "") -> tuple[Demand, int | None]:
+               tenant: str = "", blocks: tuple[str, ...] = (),
+               block_tokens: int = 0) -> tuple[Demand, int | None]:
         """What the request holds (`proxy.demand`); -> (demand, max_tokens to set)."""
-        return self.demand_rule.of(req, prompts, priority=priority, tenant=tenant)
+        return self.demand_rule.of(req, prompts, priority=priority, tenant=tenant,
+                                   blocks=blocks, block_tokens=block_tokens)
 
     def _refuse_what_never_fits(self, req: ValidRequest) -> None:
         """What parsing alone decides, before any counting: every prompt holds at least

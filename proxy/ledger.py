@@ -100,7 +100,7 @@ class Ledger(Protocol):
 class _MemoryLease:
     __slots__ = ("backend", "block_tokens", "refs", "shared", "tokens")
 
-    def __init__(self, backend: str, tokens: int, refs: list[str], block_tokens: int,
+    def __init__(self, backend: str, tokens: int, refs: Sequence[str], block_tokens: int,
                  shared: int) -> None:
         self.backend = backend
         self.tokens = tokens  # all it spans
@@ -161,23 +161,32 @@ class MemoryLedger:
         if blocks and block_tokens * len(blocks) > tokens:
             raise ValueError(f"{len(blocks)} blocks of {block_tokens} tokens exceed the "
                              f"lease's {tokens} tokens")
-        table = self._blocks.setdefault(backend, _Blocks())
+        table = self._blocks.get(backend)
+        if table is None:
+            table = self._blocks[backend] = _Blocks()
         count = table.count
-        unique = list(dict.fromkeys(blocks))  # a key twice in one prompt is one block
-        if count.keys().isdisjoint(unique):  # none of it held here: all new
-            refs, joined, new = unique, 0, len(unique)
+        # One dict for the usual case, all new: the keys once each (a key twice in one
+        # prompt is one block), already holding the count each adds.
+        fresh = dict.fromkeys(blocks, 1)
+        refs: Sequence[str]
+        if count.keys().isdisjoint(fresh):  # none of it held here: all new
+            # the keys themselves where none repeats (a hash chain's never do)
+            refs = (blocks if isinstance(blocks, tuple) and len(fresh) == len(blocks)
+                    else tuple(fresh))
+            joined, new = 0, len(fresh)
         else:
-            refs = []
+            listed: list[str] = []
             joined = new = 0
             ready = table.ready
-            for key in unique:
+            for key in fresh:
                 if key not in count:
-                    refs.append(key)
+                    listed.append(key)
                     new += 1
                 elif key in ready:
-                    refs.append(key)
+                    listed.append(key)
                     joined += 1
                 # registered but not ready: paid for in full, not referenced
+            refs = listed
         shared = joined * block_tokens
         adds = tokens - shared
         resident = self._resident.get(backend, 0)
@@ -187,7 +196,8 @@ class MemoryLedger:
             for key in refs:
                 count[key] = count.get(key, 0) + 1
         else:
-            count.update(dict.fromkeys(refs, 1))
+            count.update(fresh if refs is blocks or len(refs) == len(fresh)
+                         else dict.fromkeys(refs, 1))
         table.tokens += new * block_tokens
         self._resident[backend] = resident + adds
         self._leases[lease_id] = _MemoryLease(backend, tokens, refs, block_tokens, shared)
@@ -218,18 +228,20 @@ class MemoryLedger:
         freed = lease.own
         table = self._blocks[lease.backend]
         count = table.count
-        gone: list[str] = []
+        gone: Sequence[str] = ()
         if lease.refs and max(map(count.__getitem__, lease.refs)) == 1:
             gone = lease.refs  # it alone held them (every unique prompt): one C-level pass
             deque(map(count.__delitem__, gone), maxlen=0)
         else:
+            left: list[str] = []
             for key in lease.refs:
                 n = count[key] - 1
                 if n:
                     count[key] = n
                 else:
                     del count[key]
-                    gone.append(key)
+                    left.append(key)
+            gone = left
         if gone:
             table.ready.difference_update(gone)
             freed += lease.block_tokens * len(gone)

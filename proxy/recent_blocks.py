@@ -8,11 +8,20 @@ recently released first, bounded by the pool's size in blocks (the engine can ne
 cache more than its pool). Placement reads it to prefer the backend that would hit a
 longer prefix; the ledger never does (a cached free block is free capacity, charged
 to the lease that takes it again like any other block).
+
+Every answered lease's keys are remembered when it is released, shared or not, so a
+unique prompt's ~60 keys are remembered too. Rather than an `OrderedDict` (a linked node
+per key besides its dict slot, and a Python-level loop to move or insert each), the order
+is a `deque` of remember events and a plain dict counts each key's events in it: half
+the memory a key, a release whose keys are all new (every unique prompt) is a few
+C-level bulk calls, and the least recent key is the first one whose last event leaves
+the deque's left end (`_evict`). What stays is probing a table as large as the pool in
+blocks: memory-bound, whatever holds it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
@@ -22,11 +31,13 @@ __all__ = ["RecentBlocks"]
 class RecentBlocks:
     """A bounded LRU of block keys."""
 
-    __slots__ = ("_keys", "capacity_blocks")
+    __slots__ = ("_events", "_keys", "capacity_blocks")
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = max(0, capacity_blocks)
-        self._keys: OrderedDict[str, None] = OrderedDict()
+        # key -> how many times it is in `_events`; its last one is its place in the LRU
+        self._keys: dict[str, int] = {}
+        self._events: deque[str] = deque()  # remembered keys, least recent first
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -35,17 +46,50 @@ class RecentBlocks:
         """Blocks just released (or just used): the most recent, so the last evicted.
         -> the keys that came in or were evicted: what `leading` answers differently
         for (`proxy.prefix_view` forgets the figures that read them)."""
+        if not isinstance(keys, tuple | list):
+            keys = tuple(keys)
         cache = self._keys
-        moved: list[str] = []
-        for key in keys:
-            if key in cache:
-                cache.move_to_end(key)
-            else:
-                cache[key] = None
-                moved.append(key)
-        while len(cache) > self.capacity_blocks:
-            moved.append(cache.popitem(last=False)[0])
+        fresh = dict.fromkeys(keys, 1)
+        if len(fresh) == len(keys) and cache.keys().isdisjoint(fresh):  # all new
+            cache.update(fresh)
+            moved = list(keys)
+        else:
+            moved = []
+            for key in keys:
+                n = cache.get(key)
+                if n is None:
+                    cache[key] = 1
+                    moved.append(key)
+                else:
+                    cache[key] = n + 1
+        self._events.extend(keys)
+        if len(cache) > self.capacity_blocks:
+            self._evict(moved)
+        if len(self._events) > 2 * len(self._keys) + 1024:
+            self._compact()  # O(events), after at least as many new ones
         return moved
+
+    def _evict(self, moved: list[str]) -> None:
+        """Drop least recent keys to the capacity: a key's earlier events are skipped
+        (it was remembered again since), its last one evicts it."""
+        cache = self._keys
+        events = self._events
+        while len(cache) > self.capacity_blocks:
+            key = events.popleft()
+            n = cache[key] - 1
+            if n:
+                cache[key] = n
+            else:
+                del cache[key]
+                moved.append(key)
+
+    def _compact(self) -> None:
+        """Keys remembered again and again (a common system prompt) while nothing is
+        evicted leave stale events: keep each key's last one only, in order."""
+        latest = list(dict.fromkeys(reversed(self._events)))  # most recent first
+        latest.reverse()
+        self._events = deque(latest)
+        self._keys = dict.fromkeys(latest, 1)
 
     def leading(self, keys: Sequence[str], start: int = 0) -> int:
         """How many of `keys` from `start` on, in order, it holds."""

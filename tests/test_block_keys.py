@@ -100,6 +100,38 @@ def test_a_repeated_segment_is_hashed_once_per_scope_and_start() -> None:
     assert entry is not None and len(entry.chains) == 2  # one start state per scope
 
 
+def reference_keys(ids: list[int], block_tokens: int, scope: str) -> list[str]:
+    """The key chain as the module docstring defines it, written out plainly."""
+    import struct
+    from hashlib import blake2b
+
+    parent = blake2b(scope.encode(), digest_size=8).digest()
+    keys = []
+    for b in range(max(0, len(ids) - 1) // block_tokens):
+        block = ids[b * block_tokens:(b + 1) * block_tokens]
+        parent = blake2b(parent + struct.pack(f"={len(block)}I", *block),
+                         digest_size=8).digest()
+        keys.append(parent.hex())
+    return keys
+
+
+def test_keys_are_the_documented_chain_and_do_not_change() -> None:
+    """Replicas (and a replica before and after an upgrade) meet in one Redis ledger:
+    a key must be the same function of the ids everywhere, whatever `block_keys`
+    does to compute it faster. Pinned values were written by an earlier version."""
+    assert block_keys(list(range(40)), 16, scope="qwen3-14b\0") == [
+        "9d379dffdd2ccb55", "3744b073c5afba3e"]
+    assert block_keys([151644, 872, 198] * 11, 4, scope=SCOPE) == [
+        "19be145026d4cf1b", "a6464d14102c70f8", "1b95cab61ac4e841", "94475ca964073f36",
+        "3aad1c760819e3ca", "c93d067fb2d807f7", "0b1cbb8cbe6deb22", "d601fb9d8dc84a65"]
+    rng = random.Random(5)
+    for _ in range(100):
+        ids = [rng.randrange(2**32) for _ in range(rng.randrange(0, 300))]
+        bt = rng.choice([1, 2, 16, 32])
+        scope = rng.choice([SCOPE, "", "m\0é"])
+        assert block_keys(ids, bt, scope=scope) == reference_keys(ids, bt, scope)
+
+
 def test_keys_of_bytes_are_block_keys() -> None:
     from array import array
 

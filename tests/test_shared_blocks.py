@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,6 +73,23 @@ def test_memory_ledger_charges_a_shared_block_once_and_frees_it_with_its_last_ho
     assert led.resident("a") == 100 and led.shared_resident("a") == 0
     led.release("l2")
     assert led.resident("a") == 0
+
+
+def test_memory_ledger_charges_a_key_repeated_in_one_lease_once() -> None:
+    """No hash chain repeats a key, but the ledger takes them as opaque: a key twice in
+    one lease is one block, whether the keys come as a tuple (a demand's) or a list."""
+    for kind in (tuple, list):
+        led = MemoryLedger()
+        blocks = kind([key(3, 0), key(3, 1), key(3, 0)])
+        assert led.reserve_now("a", "l1", 100, 1000, blocks, BT)
+        assert led.shared_resident("a") == 2 * BT and led.resident("a") == 100
+        led.mark_ready("l1")
+        assert led.reserve_now("a", "l2", 100, 1000, blocks, BT)
+        assert led.shared_tokens("l2") == 2 * BT and led.resident("a") == 200 - 2 * BT
+        led.release("l1")
+        led.release("l2")
+        assert led.resident("a") == 0 and led.shared_resident("a") == 0
+        assert led.ready_blocks("a", blocks) == 0
 
 
 def test_memory_ledger_refuses_what_does_not_fit_after_sharing() -> None:
@@ -469,6 +488,53 @@ def test_recent_blocks_say_which_keys_came_in_or_were_evicted() -> None:
     assert recent.remember(["a"]) == []  # only its order moved: `leading` answers alike
     assert recent.remember(["c", "d"]) == ["c", "d", "b"]  # b, the least recent, left
     assert recent.leading(["a", "c", "d", "b"]) == 3
+
+
+class _ReferenceLru:
+    """The LRU `RecentBlocks` models, written plainly: move or insert each key, then
+    evict the least recent past the capacity."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: OrderedDict[str, None] = OrderedDict()
+
+    def remember(self, keys: list[str]) -> list[str]:
+        moved = []
+        for k in keys:
+            if k in self.keys:
+                self.keys.move_to_end(k)
+            else:
+                self.keys[k] = None
+                moved.append(k)
+        while len(self.keys) > self.capacity:
+            moved.append(self.keys.popitem(last=False)[0])
+        return moved
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_recent_blocks_are_an_exact_lru_over_random_releases(seed: int) -> None:
+    """Evictions, keys remembered again (a hot prefix, enough to compact the order many
+    times), repeats within one call: the same keys come and go, in the same order."""
+    rng = random.Random(seed)
+    for capacity in (0, 1, 7, 50, 300, 10_000):
+        recent, reference = RecentBlocks(capacity), _ReferenceLru(capacity)
+        hot = [f"h{i}" for i in range(20)]
+        for step in range(3000):
+            keys = hot[:rng.randrange(len(hot))] if rng.random() < 0.6 else []
+            keys += [f"k{rng.randrange(400)}" for _ in range(rng.randrange(0, 8))]
+            if rng.random() < 0.3:
+                keys = list(dict.fromkeys(keys))  # all new, as a unique prompt's
+            assert recent.remember(tuple(keys)) == reference.remember(keys), step
+            assert len(recent) == len(reference.keys)
+            probe = [rng.choice([*hot, "k1", "k2", "nope"]) for _ in range(4)]
+            assert recent.leading(probe) == sum(
+                1 for _ in itertools.takewhile(reference.keys.__contains__, probe))
+        # new keys to the capacity evict every old one, least recent first
+        fresh = [f"z{i}" for i in range(capacity)]
+        for at in range(0, capacity, 64):
+            chunk = tuple(fresh[at:at + 64])
+            assert recent.remember(chunk) == reference.remember(list(chunk))
+        assert len(recent) == len(reference.keys)
 
 
 def test_redis_reserve_retried_after_a_lost_reply_records_the_blocks_redis_recorded(
