@@ -127,7 +127,9 @@ class PrefixView:
             if recent is None:
                 recent = self._recent[name] = RecentBlocks(
                     lease.backend.capacity_tokens // d.block_tokens)
-            moved = recent.remember(d.blocks)
+            # tail first, as vLLM v1 frees a request's blocks (and `kvgate sim` does):
+            # its private tail is evicted first, the prefix it shares last
+            moved = recent.remember(d.blocks[::-1])
         if not self._memos:
             return
         # the lease's keys not ready now: those it left may be among them, none before

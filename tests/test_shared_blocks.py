@@ -599,3 +599,25 @@ def test_redis_reserve_retried_after_a_lost_reply_records_the_blocks_redis_recor
                 await led.close()
 
     asyncio.run(scenario())
+
+
+def test_the_cache_model_evicts_a_released_prompts_tail_first_as_the_engine_does() -> None:
+    """vLLM v1 frees a request's blocks tail first (and `kvgate sim`, `proxy.sim.kv_cache`):
+    under pressure the private tail goes, the shared head stays. A model that evicted the
+    head first would say the whole prefix gone (a prefix hit reads leading blocks only)."""
+    a_keys = [key(7, i) for i in range(20)]
+    b_keys = [key(8, i) for i in range(20)]
+
+    async def scenario() -> None:
+        c = sharing_controller(MemoryLedger(), [30 * BT])  # the model holds 30 blocks
+        backend = c.backends[0]
+        for keys in (a_keys, b_keys):  # one after the other, each answered
+            lease = await c.try_acquire(prefixed(20 * BT + 1, keys))
+            assert lease is not None
+            lease.answered()
+            lease.release()
+        # 40 blocks released into 30: 10 of A's went, its last 10
+        assert c.prefixes.held(backend, prefixed(20 * BT + 1, a_keys)) == (0, 10 * BT)
+        assert c.prefixes.held(backend, prefixed(20 * BT + 1, b_keys)) == (0, 20 * BT)
+
+    asyncio.run(scenario())
