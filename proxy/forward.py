@@ -8,16 +8,22 @@ it, an event-stream ends with an SSE `error` event, never a fake `[DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
-from types import SimpleNamespace
+from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import ClientRequest, web
+from aiohttp.connector import Connection
+from aiohttp.tracing import Trace
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from proxy.errors import UpstreamError
 
@@ -36,19 +42,16 @@ HOP_BY_HOP = frozenset({
 def make_session(*, connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
     """No total timeout: a long generation is not an error. Idle reads and connects are.
 
-    Its trace config tells `_post` which requests went out on a pooled connection."""
+    Its connector tells `_post` which requests went out on a pooled connection."""
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
     )
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-    reuse = aiohttp.TraceConfig()
-    reuse.on_connection_reuseconn.append(_on_reuse)
-    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False,
-                                 trace_configs=[reuse])
+    connector = _ReuseAwareConnector(limit=0, ttl_dns_cache=300)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
 
 
 class _Attempt:
-    """One send of a POST, as its `trace_request_ctx`: did it get a pooled connection?"""
+    """One send of a POST: did it get a pooled connection?"""
 
     __slots__ = ("reused",)
 
@@ -56,15 +59,35 @@ class _Attempt:
         self.reused = False
 
 
-async def _on_reuse(
-    session: aiohttp.ClientSession, ctx: SimpleNamespace,
-    params: aiohttp.TraceConnectionReuseconnParams,
-) -> None:
-    # Sent by the connector as it hands out a pooled connection, before the request
-    # is written; never for a connection it has just opened.
-    attempt = ctx.trace_request_ctx
-    if isinstance(attempt, _Attempt):
-        attempt.reused = True
+# The send in progress in this task, for the connector to mark (`_post` sets it around
+# `session.post`, which asks the connector for a connection in the same task).
+_attempt: ContextVar[_Attempt | None] = ContextVar("kvgate_forward_attempt", default=None)
+
+
+class _ReuseAwareConnector(aiohttp.TCPConnector):
+    """A connector that marks the current `_Attempt` when it hands out a connection it
+    handed out before (a pooled one), by the identity of its protocol: aiohttp makes a
+    new protocol object for every connection it opens.
+
+    Rather than aiohttp's `on_connection_reuseconn` trace signal: any trace config makes
+    every request of the session build and send all ~6 trace events (request start,
+    chunk sent, headers, end...), a cost on every request for a fact needed only when
+    a send fails."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._handed_out: weakref.WeakSet[asyncio.BaseProtocol] = weakref.WeakSet()
+
+    async def connect(self, req: ClientRequest, traces: list[Trace],
+                      timeout: aiohttp.ClientTimeout) -> Connection:  # noqa: ASYNC109
+        connection = await super().connect(req, traces, timeout)
+        protocol = connection.protocol
+        attempt = _attempt.get()
+        if protocol is not None:
+            if attempt is not None:
+                attempt.reused = protocol in self._handed_out
+            self._handed_out.add(protocol)
+        return connection
 
 
 # Several pooled connections can be dead at once (answers that ended together), and a
@@ -86,7 +109,7 @@ def _stale(exc: aiohttp.ClientConnectionError) -> bool:
 
 
 async def _post(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: CIMultiDict[str],
+    session: aiohttp.ClientSession, url: str | URL, body: bytes, headers: CIMultiDict[str],
     backend: str,
 ) -> aiohttp.ClientResponse:
     """POST; sent again only where it failed on a reused connection before its answer.
@@ -97,19 +120,21 @@ async def _post(
     connection as the pool gives it, and stops at the first that answers or fails
     otherwise. A failure on a fresh connection, a timeout, or any failure once the
     status line and headers are in, may follow a request the engine read: that POST is
-    never sent twice. (A session without `make_session`'s trace config reports no
-    reuse, so nothing is resent through it.)
+    never sent twice. (A session without `make_session`'s connector reports no reuse,
+    so nothing is resent through it.)
     """
     retries = 0
     while True:
         attempt = _Attempt()
+        token = _attempt.set(attempt)
         try:
-            return await session.post(url, data=body, headers=headers,
-                                      trace_request_ctx=attempt)
+            return await session.post(url, data=body, headers=headers)
         except aiohttp.ClientConnectionError as exc:
             if not (attempt.reused and _stale(exc)) or retries == _STALE_RETRIES:
                 raise
             _log.debug("backend %s: stale pooled connection (%r), sending again", backend, exc)
+        finally:
+            _attempt.reset(token)
         retries += 1
 
 
@@ -212,7 +237,7 @@ async def forward(
     session: aiohttp.ClientSession,
     request: web.Request,
     backend_name: str,
-    url: str,
+    url: str | URL,
     api_key: str | None,
     body: bytes,
     reply_headers: Callable[[], Awaitable[Mapping[str, str]]],

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from proxy.admin import AdminViews, bearer_token
 from proxy.ask import Admitted, Ask, Record, next_request_id
@@ -55,6 +56,13 @@ RUNTIME_KEY = web.AppKey("runtime", Runtime)
 _SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 _RECORD_KEY = web.RequestKey("record", Record)
 _PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETIONS: "/v1/completions"}
+
+
+@functools.lru_cache(maxsize=1024)
+def _upstream_url(base: str, endpoint: Endpoint) -> URL:
+    """Parsed once per backend and endpoint, not on every request (aiohttp parses a
+    string URL each time it is given one)."""
+    return URL(base + _PATHS[endpoint])
 
 
 def _error_response(exc: KvgateError, record: Record, *, of_request: bool = True
@@ -128,6 +136,8 @@ async def error_middleware(
 async def _read_body(request: web.Request, server: ServerConfig, hold: BodyHold) -> bytes:
     """The body, within the byte limit, the read timeout and the body budget (`hold`): a
     stalled or endless upload must not hold a buffer and a connection for ever."""
+    if request.content.is_eof():  # all of it is in (a small body comes with its headers):
+        return await _read_limited(request, server.body_limit_bytes, hold)  # nothing to wait
     try:
         async with asyncio.timeout(server.body_read_timeout_s):
             return await _read_limited(request, server.body_limit_bytes, hold)
@@ -263,7 +273,7 @@ async def _send(request: web.Request, endpoint: Endpoint, hold: BodyHold,
     backend = admitted.lease.backend
     return await forward(
         session=request.app[_SESSION_KEY], request=request, backend_name=backend.name,
-        url=backend.url + _PATHS[endpoint], api_key=backend.api_key, body=admitted.body,
+        url=_upstream_url(backend.url, endpoint), api_key=backend.api_key, body=admitted.body,
         forward_authorization=not request.app[RUNTIME_KEY].config.clients.required,
         reply_headers=admitted.reply_headers,
         on_chunk=admitted.on_chunk,
