@@ -307,6 +307,13 @@ class Deployment:
 
         Dense model, block 16: 17 tokens -> 32. Hybrid models: at most that.
         """
+        if not self.layout.is_hybrid:
+            # Every layer keeps every block (full attention, MLA): the bytes are whole
+            # blocks times the bytes of a token, so the token-equivalents are whole
+            # blocks, without summing the layers (asked on every request).
+            if tokens < 0:
+                raise ValueError(f"`tokens` must be >= 0. Given: {tokens}")
+            return cdiv(tokens, self.block_size) * self.block_size
         return cdiv(self.sequence_bytes(tokens), self.kv_bytes_per_token)
 
 

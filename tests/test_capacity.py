@@ -261,6 +261,27 @@ def test_cdiv_and_block_rounding() -> None:
     assert d.ledger_tokens(17) == 32
 
 
+@pytest.mark.parametrize("deployment", [
+    dense(40, 8, 128),
+    Deployment(layout=AttentionLayout.uniform(num_layers=36, num_kv_heads=8, head_dim=128),
+               cache_dtype="bfloat16", tp=4, pp=3, block_size=32),
+    Deployment(layout=AttentionLayout(layers=(MLALayer(kv_lora_rank=512,
+                                                       qk_rope_head_dim=64),) * 61),
+               cache_dtype="fp8", tp=8, block_size=64),
+], ids=["dense", "dense-tp4-pp3-block32", "mla"])
+def test_ledger_tokens_of_a_layout_without_windows_are_its_bytes_over_a_tokens(
+    deployment: Deployment,
+) -> None:
+    # Whole blocks, taken without summing the layers: the same as the definition
+    # (the busiest device's bytes over the bytes of one token), at every length.
+    assert not deployment.layout.is_hybrid
+    for tokens in [0, 1, *range(15, 70), 1000, 4095, 4096, 4097, 131_072]:
+        by_bytes = cdiv(deployment.sequence_bytes(tokens), deployment.kv_bytes_per_token)
+        assert deployment.ledger_tokens(tokens) == by_bytes, tokens
+    with pytest.raises(ValueError, match=">= 0"):
+        deployment.ledger_tokens(-1)
+
+
 def test_token_capacity_counts_whole_blocks() -> None:
     d = dense(1, 1, 64)  # 256 B per token, 4096 B per block
     budget = MemoryBudget(usable_bytes=4096 * 10 + 4095, weights_bytes=0)
