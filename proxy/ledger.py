@@ -15,14 +15,17 @@ each block held by live leases is charged once:
 
 A block becomes free to share only once it is *ready*: a lease that references it
 has been seen answering (`mark_ready`: its prefill is done, so the engine holds the
-block in its cache). A lease that brings a block another lease registered but that
-is not ready yet pays for it in full and does not reference it: two requests that
-bring the same new prefix at once may both be prefilled before either's blocks are
-registered in the engine (vLLM's chunked prefill computes a long prompt over
-several steps, and a second request that starts meanwhile hits only the chunks
-already allocated), and charging both copies is what keeps that from ever
-overfilling the pool. The cost is conservative: a burst of same-prefix requests at
-cold start is charged as if nothing were shared until the first one answers.
+block in its cache). A lease joins the leading run of its blocks held ready; past it,
+a block nobody holds starts blocks new here (referenced, charged once from then on),
+and a block another lease registered but that is not ready yet is paid for in full
+and not referenced, with every block after it (the blocks are a hash chain: those
+past one not ready are not ready either). Two requests that bring the same new
+prefix at once may both be prefilled before either's blocks are registered in the
+engine (vLLM's chunked prefill computes a long prompt over several steps, and a
+second request that starts meanwhile hits only the chunks already allocated), and
+charging both copies is what keeps that from ever overfilling the pool. The cost is
+conservative: a burst of same-prefix requests at cold start is charged as if nothing
+were shared until the first one answers.
 """
 
 from __future__ import annotations
@@ -175,17 +178,23 @@ class MemoryLedger:
                     else tuple(fresh))
             joined, new = 0, len(fresh)
         else:
-            listed: list[str] = []
-            joined = new = 0
+            # the leading run held ready (joined); past it, a key nobody holds starts
+            # keys new here, and a key held but not ready is paid for in full, not
+            # referenced, with all after it (a chain's keys past it are not ready either)
+            ordered = list(fresh)
             ready = table.ready
-            for key in fresh:
-                if key not in count:
-                    listed.append(key)
-                    new += 1
-                elif key in ready:
-                    listed.append(key)
-                    joined += 1
-                # registered but not ready: paid for in full, not referenced
+            joined = 0
+            for key in ordered:
+                if key not in ready:
+                    break
+                joined += 1
+            listed = ordered[:joined]
+            new = 0
+            if joined < len(ordered) and ordered[joined] not in count:
+                for key in ordered[joined:]:
+                    if key not in count:  # (a chain's all are not)
+                        listed.append(key)
+                        new += 1
             refs = listed
         shared = joined * block_tokens
         adds = tokens - shared

@@ -41,6 +41,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from proxy.chain_pins import ChainPins, leading_run
 from proxy.errors import LedgerUnavailable
 from proxy.redis_faults import REDIS_ERRORS, unreachable
 from proxy.redis_policy import UnsafeRedisConfig
@@ -91,9 +92,11 @@ class RedisLedger:
         self._channel = f"{key_prefix}:released"
         self._resident: dict[str, int] = dict.fromkeys(self._backends, 0)
         self._live: dict[str, LiveLease] = {}
-        # per backend, the blocks this replica's live leases reference: key -> [leases,
-        # ready]; what placement reads (the reserve script decides on Redis' own)
-        self._local_refs: dict[str, dict[str, list[int]]] = {b: {} for b in self._backends}
+        # per backend, the blocks this replica's live leases reference (pinned, as the
+        # scripts pin them in Redis) and those of them ready: what placement reads (the
+        # reserve script decides on Redis' own)
+        self._local_refs: dict[str, ChainPins] = {b: ChainPins() for b in self._backends}
+        self._local_ready: dict[str, set[str]] = {b: set() for b in self._backends}
         self._block_tokens: dict[str, int] = {}
         # releases, ready marks and renewals for the upkeep's worker, in order
         self._ops: asyncio.Queue[Op] = asyncio.Queue()
@@ -234,17 +237,18 @@ class RedisLedger:
                       blocks: Sequence[str] = (), block_tokens: int = 0) -> bool:
         if lease_id[:1] in ("=", "#"):
             raise ValueError(f"lease ids may not start with '=' or '#': {lease_id!r}")
-        if any(len(key) != KEY_CHARS for key in blocks):
+        if blocks and {*map(len, blocks)} != {KEY_CHARS}:
             raise ValueError(f"block keys are {KEY_CHARS} hex digits")
         if blocks and block_tokens * len(blocks) > tokens:
             raise ValueError(f"{len(blocks)} blocks of {block_tokens} tokens exceed the "
                              f"lease's {tokens} tokens")
+        distinct = tuple(dict.fromkeys(blocks))  # a key twice in one prompt is one block
         try:
             result = await self._reserve(
                 keys=self.keys(backend),
                 args=[lease_id, tokens, capacity, self._ttl_ms, self._channel, backend,
-                      self._epoch.get(backend, ""), block_tokens if blocks else 0,
-                      "".join(blocks)],
+                      self._epoch.get(backend, ""), block_tokens if distinct else 0,
+                      "".join(distinct)],
             )
         except asyncio.CancelledError:
             # The script may have run: undo it (the release script ignores unknown leases).
@@ -294,23 +298,22 @@ class RedisLedger:
             # What ready blocks covered then is not recorded: `shared` stays 0.
             status, result = 1, [1, resident, 0, result[3], result[4]]
         if status == 1 and lease_id not in self._live:
-            self._record(lease_id, backend, tokens, blocks, block_tokens, result)
+            self._record(lease_id, backend, tokens, distinct, block_tokens, result)
         return status == 1
 
     def _record(self, lease_id: str, backend: str, tokens: int, blocks: Sequence[str],
                 block_tokens: int, result: list[Any]) -> None:
-        """What the script registered: the keys it referenced are the list it sent back,
-        or, where it sent none, all those brought (a key registered but not ready is
-        paid in full, not referenced). A retry's "already recorded" reply always sends
+        """What the script registered: it references the first `result[3]` of the
+        distinct keys brought (a key registered but not ready is paid in full, not
+        referenced, with every key after it). A retry's "already recorded" reply sends
         the list its record holds."""
         live = LiveLease(backend, tokens, shared=int(result[2]))
-        if int(result[3]):
+        if nrefs := int(result[3]):
             which = as_text(result[4]) if len(result) > 4 else ""
-            refs = ([which[i:i + KEY_CHARS] for i in range(0, len(which), KEY_CHARS)]
-                    if which else list(dict.fromkeys(blocks)))
-            table = self._local_refs.setdefault(backend, {})
-            for key in refs:
-                table.setdefault(key, [0, 0])[0] += 1
+            refs = (tuple(which[i:i + KEY_CHARS] for i in range(0, len(which), KEY_CHARS))
+                    if which else tuple(blocks[:nrefs]))
+            self._local_refs.setdefault(backend, ChainPins()).add(refs)
+            live.ref_keys = refs
             live.refs = f"{block_tokens}|{''.join(refs)}"
             live.ref_tokens = block_tokens * len(refs)
             live.block_tokens = block_tokens
@@ -363,15 +366,12 @@ class RedisLedger:
         if live is None:
             return
         freed = live.own
-        table = self._local_refs.get(live.backend, {})
-        block = live.block_tokens
-        for key in live.ref_keys():
-            entry = table.get(key)
-            if entry is not None:
-                entry[0] -= 1
-                if entry[0] <= 0:
-                    del table[key]
-                    freed += block  # as far as this replica knows; Redis' reply corrects it
+        if live.ref_keys:
+            gone = self._local_refs[live.backend].remove(live.ref_keys)
+            if gone:
+                self._local_ready[live.backend].difference_update(gone)
+                # as far as this replica knows; Redis' reply corrects it
+                freed += live.block_tokens * len(gone)
         backend = live.backend
         self._resident[backend] = max(0, self._resident.get(backend, 0) - freed)
         self._ops.put_nowait(("release", backend, lease_id))
@@ -381,11 +381,7 @@ class RedisLedger:
         if live is None or live.ready or not live.refs:
             return
         live.ready = True
-        table = self._local_refs.get(live.backend, {})
-        for key in live.ref_keys():
-            entry = table.get(key)
-            if entry is not None:
-                entry[1] = 1
+        self._local_ready.setdefault(live.backend, set()).update(live.ref_keys)
         self._ops.put_nowait(("ready", live.backend, lease_id))
 
     def shared_tokens(self, lease_id: str) -> int:
@@ -395,20 +391,13 @@ class RedisLedger:
     def ready_blocks(self, backend: str, blocks: Sequence[str]) -> int:
         """From this replica's own live leases: what placement needs is a good guess of
         where a prefix lives; the reserve script charges from Redis' exact refs."""
-        table = self._local_refs.get(backend)
-        if not table:
-            return 0
-        n = 0
-        for key in blocks:
-            entry = table.get(key)
-            if entry is None or not entry[1]:
-                break
-            n += 1
-        return n
+        ready = self._local_ready.get(backend)
+        return leading_run(blocks, ready) if ready else 0
 
     def shared_resident(self, backend: str) -> int:
         """This replica's view: blocks its own live leases reference."""
-        return len(self._local_refs.get(backend, ())) * self._block_tokens.get(backend, 0)
+        pins = self._local_refs.get(backend)
+        return (len(pins) if pins is not None else 0) * self._block_tokens.get(backend, 0)
 
     def resident(self, backend: str) -> int:
         return self._resident.get(backend, 0)

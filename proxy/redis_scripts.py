@@ -7,18 +7,34 @@ Redis Cluster slot); `key_prefix` keeps deployments apart on one server:
     <prefix>:{<backend>}:leases     hash lease_id -> tokens, plus the epoch fields
                                     `=epoch` (a random id) and `=until` (Redis ms)
     <prefix>:{<backend>}:expiry     zset lease_id -> expiry (Redis server ms)
-    <prefix>:{<backend>}:refs       hash block key -> live leases referencing it, and
-                                    one field that keeps it a hash table
-                                    (`REFS_WIDE_FIELD`)
+    <prefix>:{<backend>}:refs       hash block key -> its pins (below), and one field
+                                    that keeps it a hash table (`REFS_WIDE_FIELD`)
     <prefix>:{<backend>}:ready      set of block keys free to share (`proxy.ledger`)
 
 A lease's value in the hash is what it holds outside the shared blocks it references
 (its "own" tokens); the keys it references are the field `#<lease_id>`: the block
 size, '|', then the keys, each 16 hex digits, end to end. The block size is also the
 field `=bt`. So resident = sum of own + `=bt` x the block keys in refs, and a block is
-charged once however many leases reference it. A 100k-token prompt in 16-token blocks is
-6,250 keys: 100 kB in its lease field plus ~6,250 `refs` fields (about 0.6 MB of
-Redis memory while it runs); its reserve script loops over them once (a few ms).
+charged once however many leases reference it.
+
+Pins, not reference counts. A lease's keys are a hash chain (`proxy.prefix_blocks`:
+a key stands for its block and every block before it), and a lease references a
+leading run of them: the run held ready by others (joined), then, unless the key past
+that run is held but not ready, the rest (new here). So the keys held on a backend
+form a tree of chains, and a key's value in refs is its pins: the live leases whose
+referenced run ends at it plus its held children (the next keys of chains through
+it). Held and ready are both closed towards the root (a key is referenced, and made
+ready, only with every key before it), so the run a lease can join is found by a
+binary search, and a lease that joins a held prefix pins its last key only: reserve
+and release of a lease whose 4,096-token prefix (256 keys) is held cost a few calls
+each, not a read and a write of every key. Release unpins the last key and drops it,
+and each key before it whose one pin was the key after it. The keys of a lease must be
+such a chain (every lease's are: `proxy.prefix_blocks`); keys that are not would be
+charged as if they were.
+
+A 100k-token prompt in 16-token blocks is 6,250 keys: 100 kB in its lease field plus
+~6,250 `refs` fields (about 0.6 MB of Redis memory while it runs); its first holder's
+reserve writes them once (a few ms), a joiner's reserve reads 2 x 13 of them.
 
 Expiry uses the Redis server's clock (TIME), never a replica's, so clock skew between
 replicas cannot reclaim live leases early. No key carries a Redis TTL.
@@ -121,8 +137,15 @@ local function resident()
   redis.call('SET', KEYS[1], string.format('%d', sum))
   return sum
 end
--- drop a lease: its own tokens and the blocks only it referenced; -> tokens freed, or
--- false for an unknown lease
+-- the `i`-th key (from 1) of a list of keys, each 16 hex digits, from offset `at`
+local function key_at(list, at, i)
+  local s = at + 16 * i - 15
+  return string.sub(list, s, s + 15)
+end
+-- drop a lease: its own tokens and the blocks only it held; -> tokens freed, or false
+-- for an unknown lease. Its last key loses its pin; where that was its last, the key
+-- goes, and so does each key before it whose one pin was the key after it (its only
+-- held child). The first key kept loses the pin of the child that went.
 local function drop(id)
   local tok = redis.call('HGET', KEYS[2], id)
   if not tok then return false end
@@ -131,27 +154,34 @@ local function drop(id)
   if list then
     local bar = string.find(list, '|', 1, true)
     local bt = tonumber(string.sub(list, 1, bar - 1))
-    local keys = {}
-    for i = bar + 1, #list, 16 do keys[#keys + 1] = string.sub(list, i, i + 15) end
-    -- a lease's keys are distinct: one read and one write of their counts per chunk
-    for c = 1, #keys, CHUNK do
-      local part = {unpack(keys, c, math.min(c + CHUNK - 1, #keys))}
-      local held = redis.call('HMGET', KEYS[4], unpack(part))
-      local keep, gone = {}, {}
-      for j, k in ipairs(part) do
-        local n = tonumber(held[j] or '0') - 1
-        if n > 0 then
-          keep[#keep + 1] = k
-          keep[#keep + 1] = n
-        else
-          gone[#gone + 1] = k
+    local m = (#list - bar) / 16
+    if m > 0 and redis.call('HINCRBY', KEYS[4], key_at(list, bar, m), -1) <= 0 then
+      local first, stop = m, nil  -- keys first..m go; `stop`: the pins of the one before
+      local i = m - 1
+      while i >= 1 and stop == nil do
+        local lo = math.max(1, i - CHUNK + 1)
+        local part = {}
+        for j = lo, i do part[#part + 1] = key_at(list, bar, j) end
+        local pins = redis.call('HMGET', KEYS[4], unpack(part))
+        for j = i, lo, -1 do
+          local n = tonumber(pins[j - lo + 1] or '0')
+          if n ~= 1 then
+            stop = n
+            break
+          end
+          first = j
         end
+        i = lo - 1
       end
-      if #keep > 0 then redis.call('HSET', KEYS[4], unpack(keep)) end
-      if #gone > 0 then
-        redis.call('HDEL', KEYS[4], unpack(gone))
-        redis.call('SREM', KEYS[5], unpack(gone))
-        freed = freed + bt * #gone
+      for c = first, m, CHUNK do
+        local part = {}
+        for j = c, math.min(c + CHUNK - 1, m) do part[#part + 1] = key_at(list, bar, j) end
+        freed = freed + bt * redis.call('HDEL', KEYS[4], unpack(part))
+        redis.call('SREM', KEYS[5], unpack(part))
+      end
+      -- (0: the key is missing, a drift the refresh pass repairs; nothing to unpin)
+      if stop ~= nil and stop > 1 then
+        redis.call('HINCRBY', KEYS[4], key_at(list, bar, first - 1), -1)
       end
     end
     redis.call('HDEL', KEYS[2], '#' .. id)
@@ -227,14 +257,16 @@ LOST, STALE, REBUILDING = -2, -3, -4
 
 # ARGV[1] lease id, ARGV[2] tokens (all it spans), ARGV[3] capacity, ARGV[4] ttl ms,
 # ARGV[5] channel, ARGV[6] backend, ARGV[7] the epoch this replica registered under,
-# ARGV[8] block size, ARGV[9] its shared-prefix block keys, 16 hex digits each
+# ARGV[8] block size, ARGV[9] its shared-prefix block keys, 16 hex digits each, a chain
+# (distinct, in order)
 # returns {1 reserved | 0 no room | -1 lease id already recorded, resident after,
 #          tokens ready blocks of others covered (1) | tokens the recorded lease spans
-#          (-1), blocks it references, those keys where not all it brought (1) | the
-#          keys its record references, always (-1)} or an epoch refusal (-2, -3, -4).
+#          (-1), how many keys it references (1: the first that many it brought) |
+#          how many its record references (-1), '' (1) | those keys (-1)} or an epoch
+#          refusal (-2, -3, -4).
 # A -1 is a retry whose first reply was lost: the keys are what the first run
 # registered (a key registered by another lease but not ready then is paid in full and
-# not referenced), so the replica records what Redis holds, not what it brought. What
+# not referenced, with all after it), so the replica records what Redis holds. What
 # ready blocks covered at that first run is not recorded, so a -1 cannot say it.
 RESERVE_LUA = _NOW + _SUM + _RECLAIM + _epoch_check(7) + """
 if reclaim() > 0 then redis.call('PUBLISH', ARGV[5], ARGV[6]) end
@@ -253,55 +285,52 @@ if recorded then
 end
 local tokens = tonumber(ARGV[2])
 local bt, ks = tonumber(ARGV[8]), ARGV[9]
-local uniq, seen = {}, {}
-for i = 1, #ks, 16 do
-  local k = string.sub(ks, i, i + 15)
-  if not seen[k] then
-    seen[k] = true
-    uniq[#uniq + 1] = k
+local m = #ks / 16
+-- joined: the leading keys held and ready. Both sets are closed towards the root of
+-- the chain, so that is true of the first `joined` keys and of none after: a binary
+-- search, two calls per step.
+local lo, hi = 0, m
+while lo < hi do
+  local mid = math.floor((lo + hi + 1) / 2)
+  local k = key_at(ks, 0, mid)
+  if redis.call('SISMEMBER', KEYS[5], k) == 1 and redis.call('HEXISTS', KEYS[4], k) == 1 then
+    lo = mid
+  else
+    hi = mid - 1
   end
 end
-local distinct = #uniq
--- referenced: a key nobody holds (count 1) or one held and ready (count + 1); a key
--- held but not ready is paid in full and not referenced. One HMGET and one
--- SMISMEMBER per chunk of keys, not a call per key.
-local refs, counts, joined = {}, {}, 0
-for c = 1, distinct, CHUNK do
-  local part = {unpack(uniq, c, math.min(c + CHUNK - 1, distinct))}
-  local held = redis.call('HMGET', KEYS[4], unpack(part))
-  local ready = redis.call('SMISMEMBER', KEYS[5], unpack(part))
-  for j, k in ipairs(part) do
-    if not held[j] then
-      refs[#refs + 1] = k
-      counts[#refs] = 1
-    elseif ready[j] == 1 then
-      refs[#refs + 1] = k
-      counts[#refs] = tonumber(held[j]) + 1
-      joined = joined + 1
-    end
-  end
+local joined, nrefs = lo, lo
+-- past the joined run: a key nobody holds starts keys new here (all the rest, as a
+-- chain); a key held but not ready is paid in full, and so is all after it
+if joined < m and redis.call('HEXISTS', KEYS[4], key_at(ks, 0, joined + 1)) == 0 then
+  nrefs = m
 end
 local adds = tokens - bt * joined
 if res + adds > tonumber(ARGV[3]) then return {0, res, 0, 0} end
 redis.call('INCRBY', KEYS[1], adds)
-redis.call('HSET', KEYS[2], ARGV[1], tokens - bt * #refs)
-if #refs > 0 then
-  redis.call('HSET', KEYS[2], '#' .. ARGV[1], ARGV[8] .. '|' .. table.concat(refs), '=bt', bt)
+redis.call('HSET', KEYS[2], ARGV[1], tokens - bt * nrefs)
+if nrefs > 0 then
+  redis.call('HSET', KEYS[2], '#' .. ARGV[1], ARGV[8] .. '|' .. string.sub(ks, 1, 16 * nrefs),
+             '=bt', bt)
   wide(KEYS[4])
-  for c = 1, #refs, CHUNK do
-    local pairs_ = {}
-    for j = c, math.min(c + CHUNK - 1, #refs) do
-      pairs_[#pairs_ + 1] = refs[j]
-      pairs_[#pairs_ + 1] = counts[j]
+  if nrefs > joined then
+    -- the new keys: one pin each (its child, the last its lease's); the joined run's
+    -- last key gains a child
+    for c = joined + 1, nrefs, CHUNK do
+      local pairs_ = {}
+      for j = c, math.min(c + CHUNK - 1, nrefs) do
+        pairs_[#pairs_ + 1] = key_at(ks, 0, j)
+        pairs_[#pairs_ + 1] = 1
+      end
+      redis.call('HSET', KEYS[4], unpack(pairs_))
     end
-    redis.call('HSET', KEYS[4], unpack(pairs_))
+    if joined > 0 then redis.call('HINCRBY', KEYS[4], key_at(ks, 0, joined), 1) end
+  else
+    redis.call('HINCRBY', KEYS[4], key_at(ks, 0, nrefs), 1)  -- its run ends there
   end
 end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[1])
--- the keys it references, where that is not every distinct key it brought
-local which = ''
-if #refs < distinct then which = table.concat(refs) end
-return {1, res + adds, bt * joined, #refs, which}
+return {1, res + adds, bt * joined, nrefs, ''}
 """
 
 # ARGV[1] channel, ARGV[2] backend, ARGV[3] ttl ms
@@ -334,16 +363,28 @@ redis.call('PUBLISH', ARGV[2], ARGV[3])
 return {1, res}
 """
 
-# ARGV[1] lease id: the blocks it references become free to share (its engine answered)
+# ARGV[1] lease id: the blocks it references become free to share (its engine answered).
+# Those not ready yet are a tail of its keys (the joined run was ready): found by a
+# binary search, so a lease that joined a ready prefix adds nothing key by key.
 READY_LUA = """
 local list = redis.call('HGET', KEYS[2], '#' .. ARGV[1])
 if not list then return 0 end
 local bar = string.find(list, '|', 1, true)
-local keys = {}
-for i = bar + 1, #list, 16 do keys[#keys + 1] = string.sub(list, i, i + 15) end
+local m = (#list - bar) / 16
+local function key(i)
+  local s = bar + 16 * i - 15
+  return string.sub(list, s, s + 15)
+end
+local lo, hi = 0, m
+while lo < hi do
+  local mid = math.floor((lo + hi + 1) / 2)
+  if redis.call('SISMEMBER', KEYS[5], key(mid)) == 1 then lo = mid else hi = mid - 1 end
+end
 local n = 0
-for c = 1, #keys, 2000 do
-  n = n + redis.call('SADD', KEYS[5], unpack(keys, c, math.min(c + 1999, #keys)))
+for c = lo + 1, m, 2000 do
+  local part = {}
+  for j = c, math.min(c + 1999, m) do part[#part + 1] = key(j) end
+  n = n + redis.call('SADD', KEYS[5], unpack(part))
 end
 return n
 """
@@ -402,10 +443,15 @@ for i = 6, #ARGV, 4 do
       local bt = tonumber(string.sub(list, 1, bar - 1))
       redis.call('HSET', KEYS[2], '#' .. id, list, '=bt', bt)
       wide(KEYS[4])
-      for j = bar + 1, #list, 16 do
-        local k = string.sub(list, j, j + 15)
-        if redis.call('HINCRBY', KEYS[4], k, 1) == 1 then adds = adds + bt end
-        if ARGV[i + 3] == '1' then redis.call('SADD', KEYS[5], k) end
+      -- pinned as its reserve pinned them: its last key, then back while each key is
+      -- new (a key held already holds every key before it)
+      local m = (#list - bar) / 16
+      for j = m, 1, -1 do
+        if redis.call('HINCRBY', KEYS[4], key_at(list, bar, j), 1) > 1 then break end
+        adds = adds + bt
+      end
+      if ARGV[i + 3] == '1' then
+        for j = 1, m do redis.call('SADD', KEYS[5], key_at(list, bar, j)) end
       end
     end
     redis.call('INCRBY', KEYS[1], adds)

@@ -59,14 +59,11 @@ class LiveLease:
     block_tokens: int = 0
     shared: int = 0  # tokens ready blocks of others covered at reserve
     ready: bool = False
+    ref_keys: tuple[str, ...] = ()  # the keys it references, in order (a chain's run)
 
     @property
     def own(self) -> int:
         return max(0, self.tokens - self.ref_tokens)
-
-    def ref_keys(self) -> list[str]:
-        keys = self.refs.partition("|")[2]
-        return [keys[i:i + KEY_CHARS] for i in range(0, len(keys), KEY_CHARS)]
 
 
 def as_text(value: Any) -> str:

@@ -125,8 +125,12 @@ async def _random_walk(led: Ledger, backends: list[str], steps: int, seed: int) 
             group, n = rng.randrange(3), rng.randrange(0, 9)
             blocks = [key(group, i) for i in range(n)]
             tokens = BT * n + rng.randrange(1, 200)
-            refs = [k for k in blocks
-                    if k in ready[b] or not any(k in h.refs for h in live.values())]
+            # the leading run held ready; past it, the rest if nobody holds its first
+            # key, else none (paid in full)
+            run = next((i for i, k in enumerate(blocks) if k not in ready[b]), len(blocks))
+            held_now = {k for h in live.values() for k in h.refs}
+            refs = blocks[:run] + (blocks[run:] if run < len(blocks)
+                                   and blocks[run] not in held_now else [])
             lease = uuid.uuid4().hex
             fits = (engine_resident(live) + tokens
                     - BT * sum(1 for k in blocks if k in ready[b]) <= capacity)
@@ -541,10 +545,11 @@ def test_redis_reserve_retried_after_a_lost_reply_records_the_blocks_redis_recor
     redis_server: RedisServer,
 ) -> None:
     """The reserve's first reply is lost and redis-py's one retry gets "already recorded"
-    back. The lease brought 6 blocks, 4 of them registered by another lease but not
-    ready (paid in full, not referenced), so Redis recorded it with 68 own tokens and 2
-    referenced blocks. The replica must record the same 2, or a same-size resize writes
-    an own size of 4 and Redis' resident drops from 200 to 136 while both still run."""
+    back. The lease brought 6 blocks: the first 2 held ready by one lease, the next 2
+    registered by another but not ready (paid in full, not referenced, with the 2
+    after them), so Redis recorded it with 68 own tokens and 2 referenced blocks. The
+    replica must record the same 2, or a same-size resize writes an own size of 4 and
+    Redis' resident drops from 236 to 172 while all three still run."""
     blocks = [key(9, i) for i in range(6)]
 
     async def scenario() -> None:
@@ -557,7 +562,10 @@ def test_redis_reserve_retried_after_a_lost_reply_records_the_blocks_redis_recor
             admin = aioredis.Redis.from_url(redis_server.url)
             keys = led.keys("a")
             try:
-                first, retried = "first-1", "retried-1"
+                ready, first, retried = "ready-1", "first-1", "retried-1"
+                assert await led.reserve("a", ready, 100, 1000, blocks[:2], BT)
+                led.mark_ready(ready)
+                await led.drain()
                 assert await led.reserve("a", first, 100, 1000, blocks[:4], BT)  # not ready
                 await admin.config_set("notify-keyspace-events", "Kh")
                 events = admin.pubsub()
@@ -578,16 +586,20 @@ def test_redis_reserve_retried_after_a_lost_reply_records_the_blocks_redis_recor
                 await events.aclose()  # type: ignore[no-untyped-call]
                 assert await reserving is True
                 assert await admin.hget(keys[1], retried) == b"68"
-                assert await led.resident_now("a") == 200
+                assert await led.resident_now("a") == 236  # 100 + 68 + 68
                 assert led.shared_tokens(retried) == 0  # not recorded: unknown on a retry
                 assert await led.resize(retried, 100, 1000) == 100
-                assert await led.resident_now("a") == 200  # the same size stays the same
-                assert led.shared_resident("a") == BT * 6
-                led.release(first)  # the 4 blocks were the first lease's alone
+                assert await led.resident_now("a") == 236  # the same size stays the same
+                assert led.shared_resident("a") == BT * 4
+                led.release(first)  # blocks 3 and 4 were its alone
+                await led.drain()
+                assert await led.resident_now("a") == 168
+                assert led.shared_resident("a") == BT * 2
+                assert led.ready_blocks("a", blocks[2:]) == 0
+                led.release(ready)  # the retried lease still references blocks 1 and 2
                 await led.drain()
                 assert await led.resident_now("a") == 100
                 assert led.shared_resident("a") == BT * 2
-                assert led.ready_blocks("a", blocks[4:]) == 0
                 led.release(retried)
                 await led.drain()
                 assert await led.resident_now("a") == 0
