@@ -40,7 +40,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ import tomli_w
 from aiohttp import web
 
 from benchmarks.suite.report import pct
+from proxy.ports import free_port
 from proxy.stack import stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,12 +166,6 @@ def serve_role(role: str, port: int, upstream: str, close: bool = False) -> None
 
 # ----------------------------------------------------------------------------- processes
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager

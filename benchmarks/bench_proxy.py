@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import math
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,17 +27,12 @@ import aiohttp
 import tomli_w
 
 from benchmarks.suite.report import pct
+from proxy.ports import free_port
 from proxy.stack import spawn_logged, stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "qwen3-14b"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager

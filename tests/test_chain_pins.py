@@ -53,7 +53,7 @@ def test_pins_hold_exactly_the_union_of_the_live_runs(seed: int) -> None:
             live.append(run)
         held = {k for r in live for k in r}
         assert set(pins.pins) == held
-        for r in live:  # and the search reads the same leading runs as a scan
+        for _ in live:  # and the search reads the same leading runs as a scan
             other = chain(rng.randrange(6), 12)
             scan = next((i for i, k in enumerate(other) if k not in held), len(other))
             assert leading_run(other, pins) == scan

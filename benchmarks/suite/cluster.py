@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import aiohttp
 import tomli_w
 
 from benchmarks.suite.loadgen import Result, Sample, client_held
+from proxy.ports import free_port
 from proxy.stack import spawn_logged, stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,12 +101,6 @@ class GateSettings:
 class StartFailed(RuntimeError):
     """A process of the cluster did not come up; the message carries its log's tail."""
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def kvgate_config(params: SimParams, gate: GateSettings, *, port: int,
