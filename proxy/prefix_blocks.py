@@ -68,21 +68,25 @@ def block_keys_of_bytes(data: bytes, block_tokens: int, *, scope: str) -> list[s
 def _chain(data: bytes, n: int, block_tokens: int, scope: str) -> list[str]:
     """The keys of the first `n` blocks of `data`."""
     keys: list[str] = []
-    _hash_blocks(memoryview(data), n * block_tokens * ID_BYTES, block_tokens * ID_BYTES,
-                 _root(scope), keys)
+    _hash_blocks(data, n * block_tokens * ID_BYTES, block_tokens * ID_BYTES, _root(scope),
+                 keys)
     return keys
 
 
-def _hash_blocks(view: memoryview, end: int, step: int, parent: bytes,
-                 keys: list[str]) -> bytes:
-    """Appends the keys of the `step`-byte blocks of `view[:end]` chained from `parent`;
-    -> the last key's digest (`parent` where there is no block)."""
+def _hash_blocks(data: bytes, end: int, step: int, parent: bytes, keys: list[str]) -> bytes:
+    """Appends the keys of the `step`-byte blocks of `data[:end]` chained from `parent`;
+    -> the last key's digest (`parent` where there is no block).
+
+    A block is a bytes slice: a 64-byte copy is cheaper than a memoryview slice's
+    object. The 62 blocks of a 1,000-token prompt, 34.8 -> 29.0 and 40.1 -> 37.4 us
+    (medians of 30 alternating rounds, two runs; making the digests hex in one `map`
+    after the loop measured the same and allocates two more GC-tracked objects)."""
     copy = _EMPTY.copy
     append = keys.append
     for start in range(0, end, step):
         h = copy()
         h.update(parent)
-        h.update(view[start:start + step])
+        h.update(data[start:start + step])
         parent = h.digest()
         append(parent.hex())
     return parent
@@ -124,7 +128,7 @@ class KeyChain:
             data = pending + data
         full = len(data) - len(data) % step
         keys = self._keys
-        self.parent = _hash_blocks(memoryview(data), full, step, self.parent, keys)
+        self.parent = _hash_blocks(data, full, step, self.parent, keys)
         self.pending = data[full:]
         return len(keys) - before
 
