@@ -312,7 +312,11 @@ class RedisLedger:
             which = as_text(result[4]) if len(result) > 4 else ""
             refs = (tuple(which[i:i + KEY_CHARS] for i in range(0, len(which), KEY_CHARS))
                     if which else tuple(blocks[:nrefs]))
-            self._local_refs.setdefault(backend, ChainPins()).add(refs)
+            pins = self._local_refs.get(backend)
+            if pins is None:  # a backend named after start: both views made here, once
+                pins = self._local_refs[backend] = ChainPins()
+                self._local_ready[backend] = set()
+            pins.add(refs)
             live.ref_keys = refs
             live.refs = f"{block_tokens}|{''.join(refs)}"
             live.ref_tokens = block_tokens * len(refs)
@@ -365,23 +369,25 @@ class RedisLedger:
         live = self._live.pop(lease_id, None)
         if live is None:
             return
-        freed = live.own
-        if live.ref_keys:
-            gone = self._local_refs[live.backend].remove(live.ref_keys)
-            if gone:
-                self._local_ready[live.backend].difference_update(gone)
-                # as far as this replica knows; Redis' reply corrects it
-                freed += live.block_tokens * len(gone)
         backend = live.backend
-        self._resident[backend] = max(0, self._resident.get(backend, 0) - freed)
-        self._ops.put_nowait(("release", backend, lease_id))
+        try:  # this replica's view first; Redis' release is queued whatever happens to it
+            freed = live.own
+            if live.ref_keys:
+                gone = self._local_refs[backend].remove(live.ref_keys)
+                if gone:
+                    self._local_ready[backend].difference_update(gone)
+                    # as far as this replica knows; Redis' reply corrects it
+                    freed += live.block_tokens * len(gone)
+            self._resident[backend] = max(0, self._resident.get(backend, 0) - freed)
+        finally:
+            self._ops.put_nowait(("release", backend, lease_id))
 
     def mark_ready(self, lease_id: str) -> None:
         live = self._live.get(lease_id)
         if live is None or live.ready or not live.refs:
             return
         live.ready = True
-        self._local_ready.setdefault(live.backend, set()).update(live.ref_keys)
+        self._local_ready[live.backend].update(live.ref_keys)  # made with its pins
         self._ops.put_nowait(("ready", live.backend, lease_id))
 
     def shared_tokens(self, lease_id: str) -> int:
