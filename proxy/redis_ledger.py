@@ -47,7 +47,7 @@ from proxy.redis_faults import REDIS_ERRORS, unreachable
 from proxy.redis_policy import UnsafeRedisConfig
 from proxy.redis_refresh import RefreshingUpkeep
 from proxy.redis_scripts import LOST, RESERVE_LUA, RESIZE_LUA
-from proxy.redis_upkeep import KEY_CHARS, LiveLease, Op, as_text
+from proxy.redis_upkeep import KEY_CHARS, LiveLease, Op, ResidentView, as_text
 
 __all__ = ["RedisLedger", "UnsafeRedisConfig"]
 
@@ -90,7 +90,7 @@ class RedisLedger:
         self._socket_timeout_s = socket_timeout_s
         self._window_s = recovery_window_s
         self._channel = f"{key_prefix}:released"
-        self._resident: dict[str, int] = dict.fromkeys(self._backends, 0)
+        self._resident = ResidentView(self._backends)
         self._live: dict[str, LiveLease] = {}
         # per backend, the blocks this replica's live leases reference (pinned, as the
         # scripts pin them in Redis) and those of them ready: what placement reads (the
@@ -243,6 +243,7 @@ class RedisLedger:
             raise ValueError(f"{len(blocks)} blocks of {block_tokens} tokens exceed the "
                              f"lease's {tokens} tokens")
         distinct = tuple(dict.fromkeys(blocks))  # a key twice in one prompt is one block
+        mark = self._resident.mark(backend)
         try:
             result = await self._reserve(
                 keys=self.keys(backend),
@@ -282,7 +283,7 @@ class RedisLedger:
         if status <= LOST:
             raise self._upkeep.refusal(backend, status, int(result[1]))
         resident = int(result[1])
-        self._resident[backend] = resident
+        self._resident.read(backend, resident, mark)
         if status == -1:
             # Lease ids are never reused (a random per-process prefix and a counter),
             # so the same id with the same tokens is this very reservation, retried
@@ -335,6 +336,7 @@ class RedisLedger:
             return live.tokens
         tokens = max(tokens, live.ref_tokens)  # the shared blocks stay
         backend = live.backend
+        mark = self._resident.mark(backend)
         try:
             result = await self._resize(
                 keys=self.keys(backend),
@@ -355,7 +357,7 @@ class RedisLedger:
             # Rebuilding: nothing changed; the lease keeps the size it is registered with.
             self._upkeep.refusal(backend, granted, int(result[1]))
             return live.tokens if lease_id in self._live else 0
-        self._resident[backend] = int(result[1])
+        self._resident.read(backend, int(result[1]), mark)
         if lease_id not in self._live:
             return 0  # released here while the script ran; the release script follows
         if granted < 0:
@@ -378,7 +380,7 @@ class RedisLedger:
                     self._local_ready[backend].difference_update(gone)
                     # as far as this replica knows; Redis' reply corrects it
                     freed += live.block_tokens * len(gone)
-            self._resident[backend] = max(0, self._resident.get(backend, 0) - freed)
+            self._resident.released(backend, freed)
         finally:
             self._ops.put_nowait(("release", backend, lease_id))
 
@@ -406,7 +408,7 @@ class RedisLedger:
         return (len(pins) if pins is not None else 0) * self._block_tokens.get(backend, 0)
 
     def resident(self, backend: str) -> int:
-        return self._resident.get(backend, 0)
+        return self._resident.get(backend)
 
     def lease_count(self, backend: str) -> int:
         return sum(1 for live in self._live.values() if live.backend == backend)

@@ -98,6 +98,7 @@ class RefreshingUpkeep(Upkeep):
         for backend in backends:
             await self._reclaim(keys=self._keys(backend),
                                 args=[self._channel, backend, self._ttl_ms], client=pipe)
+        marks = {backend: self._resident.mark(backend) for backend in backends}
         results = await self._execute(pipe, len(backends))
         passing: ResponseError | None = None
         again: list[str] = []
@@ -112,7 +113,7 @@ class RefreshingUpkeep(Upkeep):
                                      "its expired leases are not reclaimed, nor its "
                                      "counters repaired, until a pass is answered")
                 continue
-            self._resident[backend] = int(result[0])
+            self._resident.read(backend, int(result[0]), marks[backend])
             self.reclaimed_total += int(result[1])
             if result[2] is None or as_text(result[2]) != self._epoch.get(backend):
                 self._lost(backend, gone=result[2] is None)
@@ -143,6 +144,7 @@ class RefreshingUpkeep(Upkeep):
                         if message is None:
                             continue
                         backend = message["data"].decode()
+                        mark = self._resident.mark(backend)
                         try:
                             value = await self._client.get(self._keys(backend)[0])
                         except ResponseError as exc:
@@ -151,7 +153,7 @@ class RefreshingUpkeep(Upkeep):
                             self.say_refused("read of the resident counter", backend, "",
                                              exc, "the waiters are woken all the same")
                         else:
-                            self._resident[backend] = int(value or 0)
+                            self._resident.read(backend, int(value or 0), mark)
                         self._notify(backend)
                 finally:
                     # Bounded: closing a pub/sub connection mid-read can otherwise hang

@@ -37,7 +37,7 @@ from proxy.redis_faults import REDIS_ERRORS, Repeats, fault, refused, unreachabl
 from proxy.redis_policy import UnsafeRedisConfig, eviction_risk
 from proxy.redis_scripts import LOST, READY_LUA, REBUILDING, RECLAIM_LUA, RELEASE_LUA, RENEW_LUA
 
-__all__ = ["KEY_CHARS", "LiveLease", "Op", "Upkeep", "as_text"]
+__all__ = ["KEY_CHARS", "LiveLease", "Op", "ResidentView", "Upkeep", "as_text"]
 
 log = logging.getLogger("kvgate.ledger")
 
@@ -66,6 +66,41 @@ class LiveLease:
         return max(0, self.tokens - self.ref_tokens)
 
 
+class ResidentView:
+    """This replica's view of each backend's resident tokens in Redis.
+
+    `release()` counts a lease released here at once and only queues its script, so a
+    reply Redis read before that script ran (a refresh pass, a notice's read, a reserve
+    or renewal already in flight) still holds the lease: written as it is, it would undo
+    the release (and for a release Redis refused, keep it until the next pass that
+    Redis answers). Each value read from Redis is taken less what this replica released
+    since the command was sent: `mark()` before sending, `read()` with the reply. A
+    release whose script overtakes a command sent before it is then taken off twice:
+    the view is low by it until the next value read (Redis decides admission on its own
+    counters; this view feeds placement and the metrics).
+    """
+
+    __slots__ = ("_freed", "_tokens")
+
+    def __init__(self, backends: list[str]) -> None:
+        self._tokens: dict[str, int] = dict.fromkeys(backends, 0)
+        self._freed: dict[str, int] = dict.fromkeys(backends, 0)  # released here, ever
+
+    def get(self, backend: str) -> int:
+        return self._tokens.get(backend, 0)
+
+    def released(self, backend: str, tokens: int) -> None:
+        self._freed[backend] = self._freed.get(backend, 0) + tokens
+        self._tokens[backend] = max(0, self._tokens.get(backend, 0) - tokens)
+
+    def mark(self, backend: str) -> int:
+        return self._freed.get(backend, 0)
+
+    def read(self, backend: str, value: int, mark: int) -> None:
+        since = self._freed.get(backend, 0) - mark
+        self._tokens[backend] = max(0, value - since)
+
+
 def as_text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -83,7 +118,7 @@ class Upkeep:
         refresh_s: float,
         window_s: float,
         live: dict[str, LiveLease],
-        resident: dict[str, int],
+        resident: ResidentView,
         epoch: dict[str, str],
         ops: asyncio.Queue[Op],
         closing: Callable[[], bool],
@@ -347,6 +382,7 @@ class Upkeep:
             else:
                 await self._renew(keys=self._keys(backend), args=self._renew_args(backend),
                                   client=pipe)
+        marks = {backend: self._resident.mark(backend) for _, backend, _ in batch}
         results = await self._execute(pipe, len(batch))
         again: list[Op] = []
         passing: ResponseError | None = None
@@ -364,12 +400,12 @@ class Upkeep:
                     self._refused(op, result)
                 continue
             if kind == "release":
-                self._resident[backend] = int(result[1])
+                self._resident.read(backend, int(result[1]), marks[backend])
                 continue
             if kind == "ready":
                 continue
             self._renew_pending.discard(backend)
-            self._renewed(backend, result)
+            self._renewed(backend, result, marks[backend])
         return again, passing, noscript
 
     @staticmethod
@@ -411,11 +447,11 @@ class Upkeep:
                 args += [lease_id, live.own, live.refs, 1 if live.ready else 0]
         return args
 
-    def _renewed(self, backend: str, result: list[Any]) -> None:
+    def _renewed(self, backend: str, result: list[Any], mark: int) -> None:
         resident, reclaimed, readded = int(result[0]), int(result[1]), int(result[2])
         epoch, left_ms, created = as_text(result[3]), int(result[4]), int(result[5])
         drift, indexed = int(result[6]), int(result[7])
-        self._resident[backend] = resident
+        self._resident.read(backend, resident, mark)
         self.reclaimed_total += reclaimed
         self.readded_total += readded
         self._epoch[backend] = epoch

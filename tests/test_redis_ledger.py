@@ -609,3 +609,49 @@ def test_redis_a_script_lost_between_its_check_and_its_run_is_loaded_and_run_aga
             assert ledger_errors(caplog) == []
 
     asyncio.run(scenario())
+
+
+def test_redis_a_pass_read_before_a_release_does_not_undo_it(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`release()` counts the lease released here at once and only queues its script.
+    A refresh pass Redis answered just before (its reply not yet taken in) still holds
+    the lease: taken in as it was read, it put the 30 tokens back into this replica's
+    view. Each value read from Redis is taken less what was released here since its
+    command was sent. (The pass's reply is held here until the release has been sent;
+    on a loaded machine the scheduler does that by itself.)"""
+    real_execute = Pipeline.execute
+    answered, go_on = asyncio.Event(), asyncio.Event()
+    held: list[str] = []
+
+    async def scenario() -> None:
+        async with started(redis_server, refresh=30.0) as led:
+            lease = lid()
+            assert await led.reserve("gpu-a", lease, 30, 100)
+            reclaim_sha = led._upkeep._reclaim.sha
+
+            async def execute_held(self: Pipeline, raise_on_error: bool = True) -> Any:
+                sent = {str(arg) for args, _ in self.command_stack for arg in args}
+                results = await real_execute(self, raise_on_error=raise_on_error)
+                if reclaim_sha in sent and not held:
+                    held.append("reclaim")
+                    answered.set()
+                    await go_on.wait()
+                return results
+
+            monkeypatch.setattr(Pipeline, "execute", execute_held)
+            async with asyncio.timeout(5):
+                passing = asyncio.create_task(led._upkeep._reclaim_expired())
+                await answered.wait()  # Redis read 30 resident for gpu-a
+                led.release(lease)
+                assert led.resident("gpu-a") == 0
+                await led.drain()
+                assert await led.resident_now("gpu-a") == 0
+                go_on.set()
+                await passing
+            assert held == ["reclaim"]
+            assert led.resident("gpu-a") == 0  # not the 30 the pass read
+            assert await led.reserve("gpu-a", lid(), 20, 100)
+            assert led.resident("gpu-a") == 20
+
+    asyncio.run(scenario())
