@@ -49,6 +49,7 @@ class OutputHistory:
             raise ValueError("`size` and `min_samples` must be >= 1")
         if not 0.0 < quantile <= 1.0:
             raise ValueError(f"`quantile` must be in (0, 1]. Given: {quantile}")
+        self.size = size
         self._recent: deque[int] = deque(maxlen=size)
         self._sorted: list[int] = []
         self.min_samples = min_samples

@@ -467,6 +467,56 @@ def test_a_cold_start_keeps_room_only_for_leases_that_can_grow() -> None:
     asyncio.run(scenario())
 
 
+def test_a_prompt_longer_than_the_history_knows_is_followed_as_at_a_cold_start() -> None:
+    """Ten short chats (100-token prompts, 50-token answers) make the history. A request
+    with a 5,000-token prompt is longer than any the history was learnt on, so what it
+    says about answers does not apply: the request is held at its prompt and a first
+    token, and room is kept for it to grow to prompt + max_tokens (at most a quarter of
+    the pool). A 16,384-token pool admits two of them, not the three (~15,000 tokens)
+    that the short answers alone would let in and that would outgrow the pool. The short
+    chats are still sized from the history, beside them."""
+    async def scenario() -> None:
+        c, tracker = _cold_controller(16384)
+        loop = asyncio.get_running_loop()
+        assert c.sizer is not None
+        chat = Demand(tokens=112, prompt_tokens=100, max_tokens=2048, follow=True)
+        for _ in range(10):
+            lease = await c.acquire(chat, loop.time())
+            done = Progress(lease=lease, prompt_tokens=100, max_tokens=2048, n=1,
+                            min_tokens=0, stream=False, chat=True, started_s=0.0)
+            tracker.track(done)
+            done.feed(b'{"usage": {"completion_tokens": 50}}')
+            tracker.finish(done, 1.0, completed=True)
+            lease.release()
+        assert tracker.history.ready and tracker.longest_prompt == 100
+        assert c.sizer(chat) == 160  # 100 + the median answer 50, in 16-token blocks
+        assert tracker.growth_reserve(c.backends[0], None) == 0
+
+        long = Demand(tokens=5008, prompt_tokens=5000, max_tokens=2048, follow=True)
+        assert tracker.beyond_history(5000) and not tracker.beyond_history(100)
+        assert c.sizer(long) == 5008  # the prompt and a first token
+        admitted = []
+        with pytest.raises(QueueTimeout):
+            while True:
+                lease = await c.acquire(long, loop.time())
+                tracker.track(Progress(lease=lease, prompt_tokens=5000, max_tokens=2048,
+                                       n=1, min_tokens=0, stream=True, chat=True,
+                                       started_s=0.0))
+                admitted.append(lease)
+        assert len(admitted) == 2  # each may grow by 2,048; a quarter of the pool kept
+        assert tracker.growth_reserve(c.backends[0], None) == 4096
+        # the short chats take what is left under the reserve: 16,384 - 4,096 - 10,016
+        chats = []
+        with pytest.raises(QueueTimeout):
+            while True:
+                chats.append(await c.acquire(Demand(tokens=160, prompt_tokens=100,
+                                                    max_tokens=2048, follow=True),
+                                             loop.time()))
+        assert len(chats) == 2272 // 160
+
+    asyncio.run(scenario())
+
+
 def test_a_fresh_kvgate_admits_every_strict_sized_request_that_fits_at_once() -> None:
     async def scenario() -> None:
         async with running_stack(backends=1, kv_tokens=4096, model=ADAPTIVE,
