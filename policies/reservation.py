@@ -49,11 +49,14 @@ class OutputHistory:
             raise ValueError("`size` and `min_samples` must be >= 1")
         if not 0.0 < quantile <= 1.0:
             raise ValueError(f"`quantile` must be in (0, 1]. Given: {quantile}")
-        self.size = size
         self._recent: deque[int] = deque(maxlen=size)
         self._sorted: list[int] = []
         self.min_samples = min_samples
         self.quantile = quantile
+        # the prompts of the answers in the window, as (observation number, tokens),
+        # decreasing: the first is the longest (a sliding maximum, O(1) per answer)
+        self._observed = 0
+        self._longest: deque[tuple[int, int]] = deque()
 
     def __len__(self) -> int:
         return len(self._recent)
@@ -62,7 +65,8 @@ class OutputHistory:
     def ready(self) -> bool:
         return len(self._recent) >= self.min_samples
 
-    def observe(self, output_tokens: int) -> None:
+    def observe(self, output_tokens: int, prompt_tokens: int | None = None) -> None:
+        """Record one answer's length, and the length of its prompt where known."""
         if output_tokens < 0:
             raise ValueError(f"`output_tokens` must be >= 0. Given: {output_tokens}")
         if len(self._recent) == self._recent.maxlen:
@@ -70,6 +74,19 @@ class OutputHistory:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._recent.append(output_tokens)
         bisect.insort(self._sorted, output_tokens)
+        self._observed += 1
+        longest = self._longest
+        if prompt_tokens is not None:
+            while longest and longest[-1][1] <= prompt_tokens:
+                longest.pop()
+            longest.append((self._observed, prompt_tokens))
+        while longest and longest[0][0] <= self._observed - len(self._recent):
+            longest.popleft()  # its answer has left the window
+
+    @property
+    def longest_prompt(self) -> int | None:
+        """The longest prompt among the answers in the window; None if none was given."""
+        return self._longest[0][1] if self._longest else None
 
     def remaining(self, generated: int) -> int:
         """Tokens still to come for a request that has produced `generated` tokens.

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -108,10 +107,12 @@ class ReservationTracker:
         # overestimating progress grows a lease early, which is the safe side.
         self.decode_tokens_per_s = decode_tokens_per_s
         self._live: dict[str, Progress] = {}
-        # the prompts of the answers in the history, and the longest of them: what the
-        # history has been learnt on (`beyond_history`)
-        self._prompts: deque[int] = deque(maxlen=history.size)
-        self.longest_prompt = 0
+        # the followed leases whose prompts were longer than the history's longest when
+        # they were tracked (all of them at a cold start): the only ones that can be
+        # `beyond_history`, so `growth_reserve` does not walk every live lease (one whose
+        # prompt becomes the longest only when a longer one leaves the window is not
+        # added: it was admitted while the history knew such prompts)
+        self._long: dict[str, Progress] = {}
 
     def beyond_history(self, prompt_tokens: int) -> bool:
         """Whether a request's prompt is longer than every prompt whose answer is in the
@@ -126,8 +127,8 @@ class ReservationTracker:
         kvgate admitted next to nothing for 20 s (29 of 151 completed, against 38 for
         clients going straight to the engines).
         """
-        return self.history.ready and len(self._prompts) > 0 \
-            and prompt_tokens > self.longest_prompt
+        longest = self.history.longest_prompt
+        return self.history.ready and longest is not None and prompt_tokens > longest
 
     # ------------------------------------------------------------------ sizing
     def output_budget(self, *, max_tokens: int, min_tokens: int, strict: bool,
@@ -161,20 +162,20 @@ class ReservationTracker:
         for the leases whose prompts are longer than any it was learnt on
         (`beyond_history`), and none for the others.
         """
-        ready = self.history.ready
-        if ready and self.longest_prompt == 0:
+        if not self._long and (demand is None or not demand.follow):
             return 0
+        ready = self.history.ready
         most = int(backend.capacity_tokens * (1 - WARMUP_FACTOR))
         grow = 0
         if demand is not None and demand.follow and (
                 not ready or self.beyond_history(demand.prompt_tokens)):
             grow = demand.n * self._ledger_tokens(demand.prompt_tokens + demand.max_tokens)
             grow -= demand.tokens
-        for p in self._live.values():
+        for p in self._long.values():
             if grow >= most:
                 break
             lease = p.lease
-            if lease.backend is backend and not p.strict and not lease.released and (
+            if lease.backend is backend and not lease.released and (
                     not ready or self.beyond_history(p.prompt_tokens)):
                 grow += max(0, p.n * self._ledger_tokens(p.prompt_tokens + p.max_tokens)
                             - lease.tokens)
@@ -189,6 +190,10 @@ class ReservationTracker:
     # ------------------------------------------------------------------ tracking
     def track(self, progress: Progress) -> None:
         self._live[progress.lease.lease_id] = progress
+        longest = self.history.longest_prompt
+        if not progress.strict and (not self.history.ready or longest is None
+                                    or progress.prompt_tokens > longest):
+            self._long[progress.lease.lease_id] = progress
 
     def generated(self, progress: Progress, now: float) -> int:
         if progress.stream:
@@ -208,6 +213,7 @@ class ReservationTracker:
         only complete ones count.
         """
         self._live.pop(progress.lease.lease_id, None)
+        self._long.pop(progress.lease.lease_id, None)
         if not completed or progress.strict:
             return
         out = output_tokens_from_tail(bytes(progress.tail))
@@ -218,13 +224,7 @@ class ReservationTracker:
         if out is None:
             return
         was_ready = self.history.ready
-        self.history.observe(min(out, progress.max_tokens))
-        if len(self._prompts) == self._prompts.maxlen:
-            self._prompts.append(progress.prompt_tokens)
-            self.longest_prompt = max(self._prompts)  # the longest may have left
-        else:
-            self._prompts.append(progress.prompt_tokens)
-            self.longest_prompt = max(self.longest_prompt, progress.prompt_tokens)
+        self.history.observe(min(out, progress.max_tokens), progress.prompt_tokens)
         if not was_ready and self.history.ready and self.on_ready is not None:
             self.on_ready()
         # The decode rate per sequence, from streams only: there the first token's

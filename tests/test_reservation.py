@@ -47,6 +47,23 @@ def test_history_remaining_is_the_conditional_quantile() -> None:
     assert h.quantile_of(0.5) == 510
 
 
+def test_history_longest_prompt_is_that_of_the_answers_in_the_window() -> None:
+    h = OutputHistory(size=3, min_samples=1, quantile=0.5)
+    assert h.longest_prompt is None
+    h.observe(10)  # no prompt given
+    assert h.longest_prompt is None
+    for prompt in (500, 100, 200):
+        h.observe(10, prompt)
+    assert h.longest_prompt == 500
+    h.observe(10, 150)  # the 500-token prompt's answer leaves the window
+    assert h.longest_prompt == 200
+    h.observe(10, 50)
+    h.observe(10, 40)
+    assert h.longest_prompt == 150
+    h.observe(10)
+    assert h.longest_prompt == 50
+
+
 def test_history_not_ready_below_min_samples_and_evicts_oldest() -> None:
     h = OutputHistory(size=4, min_samples=3, quantile=0.5)
     h.observe(100)
@@ -488,7 +505,7 @@ def test_a_prompt_longer_than_the_history_knows_is_followed_as_at_a_cold_start()
             done.feed(b'{"usage": {"completion_tokens": 50}}')
             tracker.finish(done, 1.0, completed=True)
             lease.release()
-        assert tracker.history.ready and tracker.longest_prompt == 100
+        assert tracker.history.ready and tracker.history.longest_prompt == 100
         assert c.sizer(chat) == 160  # 100 + the median answer 50, in 16-token blocks
         assert tracker.growth_reserve(c.backends[0], None) == 0
 
