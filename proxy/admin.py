@@ -81,6 +81,7 @@ class AdminViews:
                 "engine_estimate_tokens": gate.tracker.engine_estimate_tokens(backend.name, now),
                 "lease_shortfall_tokens": gate.controller.shortfall_tokens(backend),
                 "cold_start_reserve_tokens": gate.tracker.growth_reserve(backend, None),
+                "overlap_credit_tokens": gate.tracker.overlap_credit(backend, None),
                 "engine_kv_usage_ratio": target.usage_ratio,
                 "engine_preemptions_reported": target.preemptions_seen,
             })

@@ -87,6 +87,9 @@ class AdmissionController:
         # Tokens to keep free on a backend for followed leases to grow into while their
         # output lengths are not known yet (adaptive reservation's cold start).
         self.growth_reserve: Callable[[Backend, Demand | None], int] | None = None
+        # Tokens by which followed leases overstate what they will hold at once (they
+        # end at different times): admissions may fill them (adaptive reservation).
+        self.overlap_credit: Callable[[Backend, Demand | None], int] | None = None
         # Live leases that wanted to grow and found no room. Running requests come
         # first (as in an engine's own scheduler): room that opens goes to them before
         # any waiter, and admission leaves their shortfall free.
@@ -158,7 +161,17 @@ class AdmissionController:
             room -= self.shortfall_tokens(backend)
         if self.growth_reserve is not None:
             room -= self.growth_reserve(backend, demand)
+        if self.overlap_credit is not None:
+            room += self.overlap_credit(backend, demand)
         return max(0, room)
+
+    def _growth_room(self, backend: Backend) -> int:
+        """Reserved tokens up to which live leases may grow: the whole capacity, and
+        what followed leases overstate there (`overlap_credit`)."""
+        room = backend.capacity_tokens
+        if self.overlap_credit is not None:
+            room += self.overlap_credit(backend, None)
+        return room
 
     def rooms(self, demand: Demand | None = None, *,
               owner: object | None = None) -> list[BackendRoom]:
@@ -341,7 +354,7 @@ class AdmissionController:
             return lease.tokens
         lease.wanted_tokens = tokens
         granted = await self._ledger.resize(
-            lease.lease_id, tokens, lease.backend.capacity_tokens
+            lease.lease_id, tokens, self._growth_room(lease.backend)
         )
         if lease.released or granted <= 0:
             return lease.tokens
@@ -402,7 +415,7 @@ class AdmissionController:
     async def _dispatch_once(self, now: float) -> None:
         for short in list(self._short.values()):  # running requests first
             b = short.backend  # where the ledger shows no free room, a round trip buys nothing
-            if self._ledger.resident(b.name) < b.capacity_tokens:
+            if self._ledger.resident(b.name) < self._growth_room(b):
                 await self.resize(short, short.wanted_tokens)
         if self.sizer is not None:
             for w in self._room:

@@ -181,6 +181,66 @@ class ReservationTracker:
                             - lease.tokens)
         return min(most, max(0, grow))
 
+    def overlap_credit(self, backend: Backend, demand: Demand | None) -> int:
+        """Tokens by which the leases followed on `backend` (and `demand`, if it
+        follows) overstate the most they will hold at any one time.
+
+        A lease holds what its request will hold at its end: prompt + output so far +
+        the expected rest. In the engine each request grows one token a step and lets
+        go of everything when it ends, and they end at different steps, so the sum of
+        the leases is more than the engine will ever hold for them. After LightLLM's
+        Past-Future scheduler: with the leases sorted by expected rest r (longest
+        first), the most held at once is the largest, over each r_k, of what those
+        still running hold then (sum of (held now + n x r_k) over the leases with
+        r >= r_k). Admission may fill the difference.
+
+        Only the leases whose rest is predicted from the history count, and only
+        streamed ones (their progress is seen, not guessed from time); strict-sized
+        leases, those of a cold start or beyond the history, and other replicas'
+        leases count at their full size; so does a demand that may share a prefix
+        on `backend` (what it will be charged is the ledger's to say), and the tokens
+        the counted leases were not charged for shared blocks come off the credit.
+
+        Measured in the suite's S2 (Azure conversation, 2x), the engines held 80-90%
+        of the pool while kvgate's leases filled it; with this credit 99 and 102 of
+        142 completed (2,048 cap, no max_tokens) against 95 and 96 without, mean KV
+        use 65% against 59%, one preemption in all.
+        """
+        if not self.history.ready:
+            return 0
+        ends: list[tuple[int, int, int]] = []  # (expected rest per choice, held now, n)
+        total = shared = 0
+        if demand is not None and demand.follow and not (
+                demand.blocks and backend.shares_prefixes) and not self.beyond_history(
+                demand.prompt_tokens):
+            rest = max(0, demand.tokens // demand.n - demand.prompt_tokens)
+            ends.append((rest, demand.tokens - demand.n * rest, demand.n))
+            total += demand.tokens
+        for p in self._live.values():
+            lease = p.lease
+            if (lease.backend is not backend or lease.released or p.strict or not p.stream
+                    or lease.lease_id in self._long):
+                continue
+            held = p.prompt_tokens + p.streamed_tokens()
+            rest = max(0, lease.tokens // p.n - held)
+            ends.append((rest, lease.tokens - p.n * rest, p.n))
+            total += lease.tokens
+            shared += lease.shared_tokens
+        if len(ends) < 2:
+            return 0
+        ends.sort(reverse=True)
+        peak = running_held = running_n = 0
+        for rest, held, n in ends:
+            running_held += held
+            running_n += n
+            peak = max(peak, running_held + running_n * rest)
+        # one block per lease: each holds whole blocks as it grows
+        peak += self._block * sum(n for _, _, n in ends)
+        # Blocks charged once for several leases: the ledger holds them once already,
+        # and as their holders end the engine still holds them for those left, so
+        # what the sum saves on them is not saved again here.
+        return max(0, total - peak - shared)
+
     def lease_tokens(self, *, prompt_tokens: int, max_tokens: int, n: int, min_tokens: int,
                      strict: bool, generated: int = 0) -> int:
         out = self.output_budget(max_tokens=max_tokens, min_tokens=min_tokens, strict=strict,
@@ -288,6 +348,7 @@ def follow_adaptively(
 
     controller.sizer = size
     controller.growth_reserve = tracker.growth_reserve
+    controller.overlap_credit = tracker.overlap_credit
 
     def ready() -> None:  # the cold start is over: its reserve is free for admissions
         controller.kick()

@@ -551,3 +551,67 @@ def test_a_fresh_kvgate_admits_every_strict_sized_request_that_fits_at_once() ->
             await _settled(stack)
 
     asyncio.run(scenario())
+
+
+def _learnt_controller(capacity: int) -> tuple[AdmissionController, ReservationTracker]:
+    """A controller whose history holds ten 100-token answers to 100-token prompts, so
+    a chat of that prompt is held at 100 + 100 = 208 tokens (16-token blocks)."""
+    c, tracker = _cold_controller(capacity)
+    for _ in range(10):
+        tracker.history.observe(100, prompt_tokens=100)
+    assert tracker.history.ready and tracker.history.remaining(0) == 100
+    return c, tracker
+
+
+def _streamed(lease: Any, generated: int) -> Progress:
+    """A followed chat stream that has sent `generated` tokens (and its role event)."""
+    p = Progress(lease=lease, prompt_tokens=100, max_tokens=2048, n=1, min_tokens=0,
+                 stream=True, chat=True, started_s=0.0)
+    p.feed(b"data: {}\n\n" * (generated + 3))  # role, tokens, finish and [DONE] counted
+    assert p.streamed_tokens() == generated
+    return p
+
+
+def test_leases_that_end_at_different_times_let_admission_fill_what_they_overstate() -> None:
+    """Two chats 96 tokens into their 100-token answers hold 196 tokens each in the
+    engine and will let go of all of it in 12 more steps; a new chat's lease (208)
+    holds 100 now and 208 in 108 steps. Their leases sum to 624, but the most they hold
+    at once is 528 (at 12 steps: 100 + 12 for the new one, 196 + 12 for each old one),
+    576 with a block of rounding each: 48 tokens of credit. A 600-token pool admits
+    the third chat (624 reserved), which it would not on the sum of the leases; a
+    fourth new chat overstates less than it adds and waits."""
+    async def scenario() -> None:
+        c, tracker = _learnt_controller(600)
+        backend = c.backends[0]
+        loop = asyncio.get_running_loop()
+        chat = Demand(tokens=208, prompt_tokens=100, max_tokens=2048, follow=True)
+        assert c.sizer is not None and c.sizer(chat) == 208
+        old = [await c.acquire(chat, loop.time()) for _ in range(2)]
+        # not started yet: they end together, so they overstate nothing
+        for lease in old:
+            tracker.track(_streamed(lease, 0))
+        assert tracker.overlap_credit(backend, None) == 0
+        assert tracker.overlap_credit(backend, chat) == 0
+        for lease in old:
+            tracker.track(_streamed(lease, 96))
+        assert tracker.overlap_credit(backend, None) == 0  # 2 x 208 - (2 x 196 + 2 x 12 + 32)
+        assert tracker.overlap_credit(backend, chat) == 48
+        third = await c.acquire(chat, loop.time() + 0.05)
+        assert third.tokens == 208 and c._ledger.resident("gpu") == 624 > 600
+        tracker.track(_streamed(third, 0))
+        # 832 reserved for a peak of 640 + 64: 128 of credit, 600 + 128 < 832
+        assert tracker.overlap_credit(backend, chat) == 128
+        with pytest.raises(QueueTimeout):
+            await c.acquire(chat, loop.time() + 0.05)
+        # what a counted lease was not charged for shared blocks is not credited again
+        third.shared_tokens = 32
+        assert tracker.overlap_credit(backend, chat) == 96
+        third.shared_tokens = 0
+        # a strict-sized lease (it cannot be followed) is held at its size all along
+        strict = Demand(tokens=208, prompt_tokens=100, max_tokens=108)
+        assert tracker.overlap_credit(backend, strict) == tracker.overlap_credit(backend, None)
+        for lease in [*old, third]:
+            lease.release()
+        assert tracker.overlap_credit(backend, None) == 0
+
+    asyncio.run(scenario())
