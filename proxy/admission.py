@@ -315,15 +315,18 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ placing
     async def _try_place(self, demand: Demand, owner: object | None = None) -> Lease | None:
-        for name in rank_backends(self.rooms(demand, owner=owner), demand.tokens,
-                                  self._placement):
+        rooms = self.rooms(demand, owner=owner)
+        # the first try reserves against the room just worked out (nothing awaited since)
+        fresh: dict[str, int] | None = {r.name: r.capacity_tokens for r in rooms}
+        for name in rank_backends(rooms, demand.tokens, self._placement):
             backend = self._by_name[name]
             if not backend.slot_free:
                 continue  # the engine would queue it inside, behind its busy slots
             lease_id = f"{_LEASE_PREFIX}{next(_lease_seq):x}"
             blocks = demand.blocks if backend.shares_prefixes else ()
-            if await self._ledger.reserve(name, lease_id, demand.tokens,
-                                          self._admission_room(backend, demand),
+            room = fresh[name] if fresh is not None else self._admission_room(backend, demand)
+            fresh = None
+            if await self._ledger.reserve(name, lease_id, demand.tokens, room,
                                           blocks, demand.block_tokens):
                 lease = Lease(
                     lease_id=lease_id, backend=backend, demand=demand, on_release=self._released,
@@ -353,9 +356,10 @@ class AdmissionController:
             self.note_wanted(lease, tokens)
             return lease.tokens
         lease.wanted_tokens = tokens
-        granted = await self._ledger.resize(
-            lease.lease_id, tokens, self._growth_room(lease.backend)
-        )
+        # shrinking always succeeds: no room to work out (the credit walks the leases)
+        room = lease.backend.capacity_tokens if tokens < lease.tokens else self._growth_room(
+            lease.backend)
+        granted = await self._ledger.resize(lease.lease_id, tokens, room)
         if lease.released or granted <= 0:
             return lease.tokens
         shrunk = granted < lease.tokens

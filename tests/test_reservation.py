@@ -615,3 +615,33 @@ def test_leases_that_end_at_different_times_let_admission_fill_what_they_oversta
         assert tracker.overlap_credit(backend, None) == 0
 
     asyncio.run(scenario())
+
+
+def test_only_streamed_leases_earn_overlap_credit() -> None:
+    """The two chats of the test above 96 tokens in, answered without a stream: their
+    progress is a guess from time, so they count at their full size and earn nothing;
+    streamed, they earn the 48 tokens; finished, nothing again."""
+    async def scenario() -> None:
+        c, tracker = _learnt_controller(600)
+        backend = c.backends[0]
+        loop = asyncio.get_running_loop()
+        chat = Demand(tokens=208, prompt_tokens=100, max_tokens=2048, follow=True)
+        leases = [await c.acquire(chat, loop.time()) for _ in range(2)]
+        quiet = [Progress(lease=lease, prompt_tokens=100, max_tokens=2048, n=1,
+                          min_tokens=0, stream=False, chat=True, started_s=0.0)
+                 for lease in leases]
+        for p in quiet:
+            p.feed(b"data: {}\n\n" * 99)
+            tracker.track(p)
+        assert tracker.overlap_credit(backend, chat) == 0
+        for p in quiet:
+            tracker.finish(p, loop.time(), completed=False)
+        streamed = [_streamed(lease, 96) for lease in leases]
+        for p in streamed:
+            tracker.track(p)
+        assert tracker.overlap_credit(backend, chat) == 48
+        for p in streamed:
+            tracker.finish(p, loop.time(), completed=False)
+        assert tracker.overlap_credit(backend, chat) == 0
+
+    asyncio.run(scenario())
