@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import os
 import shlex
@@ -340,6 +341,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         type=lambda v: tuple(_choices(v, ["fifo", "shortest-first", "priority"],
                                                       "unknown ordering")),
                         help="kvgate orderings compared in S4 (default: fifo)")
+    parser.add_argument("--orderings", default=None,
+                        type=lambda v: tuple(_choices(v, ["fifo", "shortest-first", "priority"],
+                                                      "unknown ordering")),
+                        help="kvgate orderings compared in every scenario but S4 (default: "
+                             "fifo; S4 takes --s4-orderings)")
     parser.add_argument("--starvation-s", type=float, default=None,
                         help=f"kvgate's starvation_s for every scenario (default "
                              f"{DEFAULT_STARVATION_S:g}, S4 {HOL_STARVATION_S:g})")
@@ -467,6 +473,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         scenarios, header = plan_scenarios(duration, params, wanted, args.s4_orderings,
                                            args.starvation_s, builder.group_overhead,
                                            args.prefix_calibration)
+        if args.orderings:
+            scenarios = [s if s.key == "S4" else dataclasses.replace(s, orderings=args.orderings)
+                         for s in scenarios]
         sections = [header]
         for scenario in scenarios:
             sections += asyncio.run(scenario_sections(out, scenario, builder, params,
