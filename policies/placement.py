@@ -12,6 +12,22 @@ goes where the load is (and, once answered there, seeds the prefix there too), s
 hot prefix does not pile onto one backend while others idle. SGLang switches to load
 on an absolute gap of 32 running requests; a share of the pool is the same idea in
 the unit kvgate admits in.
+
+When the backends that hold most of a prefix are full, a request whose prefix is at
+least `STICKY_SHARE` of it (`worth_waiting_for`) waits for room there rather than take
+a backend that is not clearly less loaded (by `PREFIX_IMBALANCE` of its pool, now):
+there it would be computed and held a
+second time, for one request, while the room it took would have served several of
+that backend's own. It goes anywhere with room once it has waited a third of its time
+to the deadline (`proxy.admission.SPILL_AFTER`), so no backend idles while it waits.
+As SGLang's router sends to the busy worker that matches and lets it queue.
+
+A prefix held nowhere yet is seeded by rendezvous hashing of its opening
+(`seed_score`) among the backends not much fuller than the least filled: every
+request that opens alike, from every replica, goes to the same backend, so a group's
+first requests do not each seed a copy on another backend (best-fit put every
+group's first requests on the first backend with room, and each group ended up held
+on three or four of them).
 """
 
 from __future__ import annotations
@@ -19,12 +35,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from hashlib import blake2b
 
-__all__ = ["PREFIX_IMBALANCE", "BackendRoom", "PlacementName", "rank_backends"]
+__all__ = ["PREFIX_IMBALANCE", "STICKY_SHARE", "BackendRoom", "PlacementName", "rank_backends",
+           "worth_waiting_for"]
 
 # fill (resident / admission room) a prefix-holding backend may run ahead of the least
 # filled backend that fits and still be preferred
 PREFIX_IMBALANCE = 0.25
+# share of a demand a backend must hold as its prefix (ready or cached) for the demand to
+# wait for that backend rather than go to one that is not clearly less loaded
+STICKY_SHARE = 1 / 3
 
 
 class PlacementName(StrEnum):
@@ -39,6 +60,7 @@ class BackendRoom:
     resident_tokens: int
     shared_tokens: int = 0  # of the demand, held there in ready shared blocks: not charged
     cached_tokens: int = 0  # more of its prefix, probably still in the engine's cache there
+    seed: int = 0  # the demand's rendezvous score here (`seed_score`): where a new prefix goes
 
     @property
     def free_tokens(self) -> int:
@@ -53,26 +75,61 @@ class BackendRoom:
         """What the demand adds here."""
         return demand_tokens - self.shared_tokens
 
+    @property
+    def fill(self) -> float:
+        return self.resident_tokens / max(1, self.capacity_tokens)
+
     def fill_after(self, demand_tokens: int) -> float:
         return (self.resident_tokens + self.cost(demand_tokens)) / max(1, self.capacity_tokens)
 
 
 def rank_backends(
-    backends: Sequence[BackendRoom], demand_tokens: int, policy: PlacementName
+    backends: Sequence[BackendRoom], demand_tokens: int, policy: PlacementName,
+    *, spill: bool = False,
 ) -> list[str]:
     """Backends that fit `demand_tokens` now (less what each shares), best first; ties
-    keep config order."""
+    keep config order. Unless `spill`, a demand that a backend without room would serve
+    for much less (`worth_waiting_for`) goes only where the load is clearly lighter (by
+    `PREFIX_IMBALANCE`): else it waits for room there."""
     fitting = [b for b in backends if b.free_tokens >= b.cost(demand_tokens)]
     if policy is PlacementName.BEST_FIT:
         fitting.sort(key=lambda b: b.free_tokens - b.cost(demand_tokens))
     else:
         fitting.sort(key=lambda b: b.resident_tokens / max(1, b.capacity_tokens))
-    if fitting and max(b.prefix_tokens for b in fitting) > 0:
-        least = min(b.fill_after(demand_tokens) for b in fitting)
-        sticky = [b for b in fitting
-                  if b.prefix_tokens > 0
-                  and b.fill_after(demand_tokens) <= least + PREFIX_IMBALANCE]
-        sticky.sort(key=lambda b: -b.prefix_tokens)  # stable: the policy's order on ties
-        rest = [b for b in fitting if b not in sticky]
-        fitting = sticky + rest
-    return [b.name for b in fitting]
+    if not fitting:
+        return []
+    least = min(b.fill_after(demand_tokens) for b in fitting)
+    near = [b for b in fitting if b.fill_after(demand_tokens) <= least + PREFIX_IMBALANCE]
+    if max(b.prefix_tokens for b in backends) == 0:
+        # a prefix held nowhere: its seed's backend, if it is not much fuller
+        seeded = max(near, key=lambda b: b.seed)
+        if seeded.seed == 0:
+            return [b.name for b in fitting]
+        return [seeded.name] + [b.name for b in fitting if b is not seeded]
+    sticky = [b for b in near if b.prefix_tokens > 0]
+    sticky.sort(key=lambda b: (-b.prefix_tokens, -b.seed))  # stable: the policy's order
+    rest = [b for b in fitting if b not in sticky]
+    homes = [] if spill else worth_waiting_for(backends, demand_tokens)
+    if homes and not any(b in fitting for b in homes):
+        home_fill = min(b.fill for b in homes)  # loaded now: the least loaded home
+        rest = [b for b in rest if b.prefix_tokens * 2 >= homes[0].prefix_tokens
+                or b.fill + PREFIX_IMBALANCE <= home_fill]
+    return [b.name for b in sticky + rest]
+
+
+def worth_waiting_for(backends: Sequence[BackendRoom], demand_tokens: int) -> list[BackendRoom]:
+    """The backends that hold the longest of the demand's prefix, when that prefix is at
+    least `STICKY_SHARE` of the demand and they could ever take it: anywhere else an
+    engine would compute that much again and hold a second copy of it."""
+    best = max((b.prefix_tokens for b in backends), default=0)
+    if best == 0 or best < STICKY_SHARE * demand_tokens:
+        return []
+    return [b for b in backends
+            if b.prefix_tokens == best and b.cost(demand_tokens) <= b.capacity_tokens]
+
+
+def seed_score(key: str, backend: str) -> int:
+    """Rendezvous (highest random weight) hashing of a prefix's key onto a backend: of
+    the backends that hold none of a new prefix, each replica picks the same one (the
+    highest score), and a backend that leaves moves only the prefixes it had."""
+    return int.from_bytes(blake2b(f"{backend}\0{key}".encode(), digest_size=8).digest())

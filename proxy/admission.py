@@ -26,9 +26,8 @@ import itertools
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 
-from policies.ordering import Ordering, make_ordering
-from policies.placement import BackendRoom, PlacementName, rank_backends
-from proxy.config import QueueConfig
+from policies.ordering import Ordering
+from policies.placement import BackendRoom, PlacementName, rank_backends, seed_score
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
@@ -37,13 +36,16 @@ from proxy.queue_forecast import forecast, predicted_late
 from proxy.release_rate import ReleaseRate
 from proxy.waiting_room import Waiter, WaitingRoom
 
-__all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate", "controller_for"]
+__all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate"]
 
 # Lease ids: 64 random bits per process and a counter. Unique across the replicas that
 # share a Redis ledger (which relies on it to recognise a retried reserve) without a
 # random-number system call per lease, as uuid4() makes.
 _LEASE_PREFIX = secrets.token_hex(8)
 _lease_seq = itertools.count(1)
+# share of its time to deadline a waiter holds out for the backend that holds its prefix
+# (`policies.placement.worth_waiting_for`) before it may go to any with room
+SPILL_AFTER = 1 / 3
 
 
 class AdmissionController:
@@ -178,15 +180,16 @@ class AdmissionController:
         """Each healthy backend's room for `demand`; `owner` (a waiter) lets the prefix
         figures be remembered between dispatch passes (`proxy.prefix_view`)."""
         rooms = []
+        seed = self.prefixes.seed_key(demand) if len(self.backends) > 1 else None
         for b in self.backends:
             if not b.healthy:
                 continue
-            capacity = self._admission_room(b, demand)
-            resident = self._ledger.resident(b.name)
             shared, cached = self.prefixes.held(b, demand, owner)
-            rooms.append(BackendRoom(name=b.name, capacity_tokens=capacity,
-                                     resident_tokens=resident, shared_tokens=shared,
-                                     cached_tokens=cached))
+            rooms.append(BackendRoom(
+                name=b.name, capacity_tokens=self._admission_room(b, demand),
+                resident_tokens=self._ledger.resident(b.name), shared_tokens=shared,
+                cached_tokens=cached,
+                seed=seed_score(seed, b.name) if seed and b.shares_prefixes else 0))
         return rooms
 
     def _predicted(self, order: list[Waiter], now: float,
@@ -248,6 +251,8 @@ class AdmissionController:
                         deadline)
         self._enqueue(waiter)
         self.kick()
+        # held back for the backend that holds its prefix, it may go anywhere from then
+        spill = loop.call_at(_spill_at(waiter), self.kick) if demand.blocks else None
         handed_over = False
         try:
             async with asyncio.timeout_at(deadline):
@@ -262,6 +267,8 @@ class AdmissionController:
                 retry_after_s=self.retry_after_s(demand.tokens),
             ) from None
         finally:
+            if spill is not None:
+                spill.cancel()
             if waiter in self._room:
                 self._dequeue(waiter)
                 self.kick()  # a blocking head may have left
@@ -314,11 +321,12 @@ class AdmissionController:
         return lease
 
     # ------------------------------------------------------------------ placing
-    async def _try_place(self, demand: Demand, owner: object | None = None) -> Lease | None:
+    async def _try_place(self, demand: Demand, owner: object | None = None,
+                         spill: bool = False) -> Lease | None:
         rooms = self.rooms(demand, owner=owner)
         # the first try reserves against the room just worked out (nothing awaited since)
         fresh: dict[str, int] | None = {r.name: r.capacity_tokens for r in rooms}
-        for name in rank_backends(rooms, demand.tokens, self._placement):
+        for name in rank_backends(rooms, demand.tokens, self._placement, spill=spill):
             backend = self._by_name[name]
             if not backend.slot_free:
                 continue  # the engine would queue it inside, behind its busy slots
@@ -430,7 +438,8 @@ class AdmissionController:
             if waiter.fut.done():
                 continue
             try:
-                lease = await self._try_place(waiter.demand, waiter)
+                lease = await self._try_place(waiter.demand, waiter,
+                                              spill=now >= _spill_at(waiter))
             except LedgerUnavailable as exc:
                 self._fail_all(exc)
                 return
@@ -483,18 +492,7 @@ class AdmissionController:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-def controller_for(
-    *, model: str, backends: Sequence[Backend], ledger: Ledger, queue: QueueConfig,
-    placement: PlacementName, on_event: Callable[[str, Lease | None], None] | None = None,
-) -> AdmissionController:
-    """A model's controller with the `[queue]` settings: the proxy and `kvgate simulate`
-    both build it here, so a simulated deployment queues exactly as a served one."""
-    return AdmissionController(
-        model=model, backends=backends, ledger=ledger,
-        ordering=make_ordering(queue.ordering, weights=queue.tenant_weights,
-                               aging_tokens_per_s=queue.aging_tokens_per_s,
-                               half_life_s=queue.fair_share_half_life_s),
-        placement=placement, max_queue_depth=queue.max_depth,
-        max_depth_by_priority=queue.max_depth_by_priority,
-        starvation_s=queue.starvation_s, on_event=on_event,
-    )
+def _spill_at(waiter: Waiter) -> float:
+    """From when a waiter held back for the backend that holds its prefix
+    (`policies.placement.worth_waiting_for`) may go to any backend with room."""
+    return waiter.view.arrival + SPILL_AFTER * (waiter.deadline - waiter.view.arrival)

@@ -21,7 +21,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 
 from policies.engines import (
@@ -30,8 +30,10 @@ from policies.engines import (
     counts_as_llama_cpp,
     requested_output,
 )
+from policies.ordering import make_ordering
+from policies.placement import PlacementName
 from policies.reservation import AdmissionTarget, ReservationMode
-from proxy.admission import AdmissionController, Backend, Demand, Lease, controller_for
+from proxy.admission import AdmissionController, Backend, Demand, Lease
 from proxy.ask import Admitted, Ask, Record, S
 from proxy.config import ModelConfig, QueueConfig
 from proxy.count_workers import CountWorkers
@@ -461,3 +463,21 @@ def _close_late(task: asyncio.Task[tuple[int, float]], record: Record) -> None:
         task.cancel()
     elif not task.cancelled() and task.exception() is None:
         record.prompt_tokens = task.result()[0]
+
+
+def controller_for(
+    *, model: str, backends: Sequence[Backend], ledger: Ledger, queue: QueueConfig,
+    placement: PlacementName, on_event: Callable[[str, Lease | None], None] | None = None,
+) -> AdmissionController:
+    """A model's controller with the `[queue]` settings: the proxy and `kvgate simulate`
+    both build it here (through the gate), so a simulated deployment queues exactly as
+    a served one."""
+    return AdmissionController(
+        model=model, backends=backends, ledger=ledger,
+        ordering=make_ordering(queue.ordering, weights=queue.tenant_weights,
+                               aging_tokens_per_s=queue.aging_tokens_per_s,
+                               half_life_s=queue.fair_share_half_life_s),
+        placement=placement, max_queue_depth=queue.max_depth,
+        max_depth_by_priority=queue.max_depth_by_priority,
+        starvation_s=queue.starvation_s, on_event=on_event,
+    )

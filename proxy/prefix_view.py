@@ -36,7 +36,10 @@ from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
 from proxy.recent_blocks import RecentBlocks
 
-__all__ = ["PrefixView"]
+__all__ = ["SEED_TOKENS", "PrefixView"]
+
+# how much of a prompt's opening picks the backend a new prefix is seeded on
+SEED_TOKENS = 512
 
 
 class _Memo:
@@ -92,6 +95,15 @@ class PrefixView:
                     memo.on[backend.name] = got
             ready, cached = got
         return demand.block_tokens * ready, demand.block_tokens * cached
+
+    @staticmethod
+    def seed_key(demand: Demand | None) -> str | None:
+        """The key placement seeds a prefix held nowhere by (`policies.placement`): its
+        block at `SEED_TOKENS`, or its last below, so that prompts that open alike (a
+        system prompt, a conversation's first turns) seed alike whatever follows."""
+        if demand is None or not demand.blocks:
+            return None
+        return demand.blocks[min(len(demand.blocks), SEED_TOKENS // demand.block_tokens or 1) - 1]
 
     def _scan(self, backend: str, blocks: tuple[str, ...]) -> tuple[int, int]:
         ready = self._ledger.ready_blocks(backend, blocks)

@@ -28,8 +28,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.placement import PlacementName
-from proxy.admission import Backend, Demand, controller_for
+from proxy.admission import Backend, Demand
 from proxy.config import QueueConfig
+from proxy.gate import controller_for
 from proxy.ledger import MemoryLedger
 from proxy.tokenize import ChatRequest, TokenCounter, load_counter
 from proxy.tokenize.bytelevel import ENV_SWITCH

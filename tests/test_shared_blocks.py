@@ -22,8 +22,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from policies.ordering import Fifo
-from policies.placement import PlacementName
-from proxy.admission import AdmissionController, Backend, Demand, Lease, ReleaseRate
+from policies.placement import PlacementName, seed_score
+from proxy.admission import SPILL_AFTER, AdmissionController, Backend, Demand, Lease, ReleaseRate
 from proxy.errors import KvgateError, LedgerUnavailable
 from proxy.ledger import Ledger, MemoryLedger
 from proxy.prefix_view import PrefixView
@@ -631,5 +631,99 @@ def test_the_cache_model_evicts_a_released_prompts_tail_first_as_the_engine_does
         # 40 blocks released into 30: 10 of A's went, its last 10
         assert c.prefixes.held(backend, prefixed(20 * BT + 1, a_keys)) == (0, 10 * BT)
         assert c.prefixes.held(backend, prefixed(20 * BT + 1, b_keys)) == (0, 20 * BT)
+
+    asyncio.run(scenario())
+
+
+def seeded_on(backend: str, backends: list[str], blocks: int) -> list[str]:
+    """A prefix of `blocks` blocks that placement seeds on `backend` (held nowhere yet,
+    all backends alike)."""
+    for g in itertools.count(1000):
+        prefix = [key(g, i) for i in range(blocks)]
+        seed = PrefixView.seed_key(prefixed(BT * blocks + 100, prefix))
+        assert seed is not None
+        if max(backends, key=lambda b: seed_score(seed, b)) == backend:
+            return prefix
+    raise AssertionError("unreachable")
+
+
+def test_a_waiter_holds_out_for_its_prefix_s_backend_and_takes_it_when_room_opens() -> None:
+    """b0 holds W's 320-token prefix ready but is full (95%); b1 could take W whole and
+    is not clearly less loaded (75%). W waits rather than hold a second copy on b1, and takes
+    b0 for what it does not share as soon as a lease there ends."""
+    prefix = seeded_on("b0", ["b0", "b1"], 20)
+
+    async def scenario() -> None:
+        c = sharing_controller(MemoryLedger(), [2000, 2000])
+        a = await c.try_acquire(prefixed(700, prefix))
+        assert a is not None and a.backend.name == "b0"
+        a.answered()
+        filler = await c.try_acquire(demand_plain(1250))  # b0: 1,950 of 2,000
+        busy = await c.try_acquire(demand_plain(1500))  # b1: 1,500, fits W's whole 400
+        assert filler is not None and busy is not None
+        assert (filler.backend.name, busy.backend.name) == ("b0", "b1")
+        w = asyncio.ensure_future(c.acquire(prefixed(400, [*prefix, key(8, 0)]), soon()))
+        await settle(c)
+        assert c.queue_depth == 1  # b0 would charge it 80; b1 400 and a second prefix
+        filler.release()
+        await settle(c)
+        lease = await asyncio.wait_for(w, 1)
+        assert (lease.backend.name, lease.shared_tokens) == ("b0", 320)
+        for held in (lease, a, busy):
+            held.release()
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_held_out_for_its_prefix_s_backend_spills_after_a_third_of_its_wait() -> None:
+    """The same W, but nothing ends on b0: a third of the way to its deadline it goes
+    to b1, where there was room all along, with no other event to wake the queue."""
+    prefix = seeded_on("b0", ["b0", "b1"], 20)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        c = sharing_controller(MemoryLedger(), [2000, 2000])
+        a = await c.try_acquire(prefixed(700, prefix))
+        assert a is not None
+        a.answered()
+        filler = await c.try_acquire(demand_plain(1250))
+        busy = await c.try_acquire(demand_plain(1500))
+        assert filler is not None and busy is not None
+        assert (filler.backend.name, busy.backend.name) == ("b0", "b1")
+        start = loop.time()
+        lease = await c.acquire(prefixed(400, [*prefix, key(10, 0)]), soon(0.9))
+        waited = loop.time() - start
+        assert (lease.backend.name, lease.shared_tokens) == ("b1", 0)
+        assert SPILL_AFTER * 0.9 - 0.01 <= waited < 0.9
+        for held in (lease, a, filler, busy):
+            held.release()
+        assert c.queue_depth == 0 and all(c._ledger.resident(b.name) == 0 for b in c.backends)
+
+    asyncio.run(scenario())
+
+
+def test_a_group_s_requests_from_two_replicas_seed_its_prefix_on_one_backend() -> None:
+    """Eight groups' first requests arrive (nothing answered, so nothing is shared yet)
+    at two replicas that know nothing of each other: each group's requests all go to
+    one backend, the same from both replicas, and the groups spread over the backends
+    (best-fit alone sends every group's first ones to the first backend with room)."""
+    groups = [[key(100 + g, i) for i in range(40)] for g in range(8)]  # 640 tokens each
+
+    async def scenario() -> None:
+        replicas = [sharing_controller(MemoryLedger(), [100_000] * 4) for _ in range(2)]
+        where: dict[int, set[str]] = {g: set() for g in range(8)}
+        leases = []
+        for _round in range(3):
+            for g, prefix in enumerate(groups):
+                for c in replicas:
+                    lease = await c.try_acquire(prefixed(900, [*prefix, key(200, len(leases))]))
+                    assert lease is not None
+                    leases.append(lease)
+                    where[g].add(lease.backend.name)
+        assert all(len(backends) == 1 for backends in where.values()), where
+        homes = [next(iter(backends)) for backends in where.values()]
+        assert len(set(homes)) >= 3, homes
+        for lease in leases:
+            lease.release()
 
     asyncio.run(scenario())

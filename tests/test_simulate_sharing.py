@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from policies.engines import PrefixSharing
-from policies.placement import BackendRoom, PlacementName, rank_backends
+from policies.placement import STICKY_SHARE, BackendRoom, PlacementName, rank_backends, seed_score
 from policies.reservation import ReservationMode
 from proxy.config import QueueConfig
 from proxy.recent_blocks import RecentBlocks
@@ -82,3 +82,58 @@ def test_placement_is_sticky_to_a_prefix_until_that_backend_is_much_fuller() -> 
     # more than 25% of the pool fuller than the least filled: the load wins
     rooms = [room("a", 100), room("b", 500, shared=100)]
     assert rank_backends(rooms, 300, PlacementName.LEAST_RESIDENT) == ["a", "b"]
+
+
+def _room(name: str, resident: int, *, capacity: int = 1000, shared: int = 0,
+          cached: int = 0, key: str | None = None) -> BackendRoom:
+    return BackendRoom(name=name, capacity_tokens=capacity, resident_tokens=resident,
+                       shared_tokens=shared, cached_tokens=cached,
+                       seed=seed_score(key, name) if key is not None else 0)
+
+
+def test_a_prefix_held_nowhere_is_seeded_by_rendezvous_hashing_of_its_opening() -> None:
+    names = ["a", "b", "c", "d"]
+    firsts = []
+    for i in range(400):
+        k = f"{i:016x}"
+        ranked = rank_backends([_room(n, 100, key=k) for n in names], 300,
+                               PlacementName.BEST_FIT)
+        # the highest score goes first, the rest keep the policy's order
+        best = max(names, key=lambda n: seed_score(k, n))
+        assert ranked == [best] + [n for n in names if n != best]
+        firsts.append(best)
+    # a key picks the same backend every time (every replica computes the same scores),
+    # and keys spread over the backends: 100 each expected
+    assert all(60 <= firsts.count(n) <= 140 for n in names), [firsts.count(n) for n in names]
+    # the seeded backend gives way when it is much fuller than the least filled one
+    k = next(f"{i:016x}" for i in range(100)
+             if max(names, key=lambda n, i=i: seed_score(f"{i:016x}", n)) == "a")
+    rooms = [_room("a", 600, key=k), *(_room(n, 100, key=k) for n in names[1:])]
+    assert rank_backends(rooms, 300, PlacementName.BEST_FIT)[0] != "a"
+
+
+def test_a_demand_waits_for_the_backend_that_holds_its_prefix_unless_another_is_emptier(
+) -> None:
+    # "h" holds 300 of the demand's 400 tokens ready but is full (95%); "o" fits it
+    # whole but is not clearly less loaded (75%, not 25% of its pool below "h")
+    home = _room("h", 950, shared=300)
+    other = _room("o", 1500, capacity=2000)
+    assert rank_backends([home, other], 400, PlacementName.BEST_FIT) == []
+    # ... unless it may spill (it has waited long enough)
+    assert rank_backends([home, other], 400, PlacementName.BEST_FIT, spill=True) == ["o"]
+    # or the other backend is clearly less loaded: 70% against 95%
+    assert rank_backends([home, _room("o", 1400, capacity=2000)], 400,
+                         PlacementName.BEST_FIT) == ["o"]
+    # a prefix probably still cached there holds it back the same way
+    cached_home = _room("h", 950, cached=300)
+    assert rank_backends([cached_home, other], 400, PlacementName.BEST_FIT) == []
+    # so does another backend's copy of half of it or more: it goes there
+    half = _room("x", 1500, capacity=2000, shared=150)
+    assert rank_backends([home, other, half], 400, PlacementName.BEST_FIT) == ["x"]
+    # a prefix below STICKY_SHARE of the demand is not worth waiting for
+    assert STICKY_SHARE * 400 > 120
+    assert rank_backends([_room("h", 990, shared=120), other], 400,
+                         PlacementName.BEST_FIT) == ["o"]
+    # a home that could never take it (its cost is above its whole room) is no home
+    assert rank_backends([_room("h", 0, capacity=90, shared=300), other], 400,
+                         PlacementName.BEST_FIT) == ["o"]
