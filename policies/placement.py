@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 from hashlib import blake2b
 
 __all__ = ["PREFIX_IMBALANCE", "STICKY_SHARE", "BackendRoom", "PlacementName", "rank_backends",
@@ -128,8 +129,10 @@ def worth_waiting_for(backends: Sequence[BackendRoom], demand_tokens: int) -> li
             if b.prefix_tokens == best and b.cost(demand_tokens) <= b.capacity_tokens]
 
 
+@lru_cache(maxsize=8192)
 def seed_score(key: str, backend: str) -> int:
     """Rendezvous (highest random weight) hashing of a prefix's key onto a backend: of
     the backends that hold none of a new prefix, each replica picks the same one (the
-    highest score), and a backend that leaves moves only the prefixes it had."""
+    highest score), and a backend that leaves moves only the prefixes it had.
+    Remembered: dispatch asks again for every waiter on every pass."""
     return int.from_bytes(blake2b(f"{backend}\0{key}".encode(), digest_size=8).digest())
