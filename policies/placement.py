@@ -61,7 +61,7 @@ class BackendRoom:
     resident_tokens: int
     shared_tokens: int = 0  # of the demand, held there in ready shared blocks: not charged
     cached_tokens: int = 0  # more of its prefix, probably still in the engine's cache there
-    seed: int = 0  # the demand's rendezvous score here (`seed_score`): where a new prefix goes
+    seed_key: str = ""  # the key a new prefix of the demand is seeded by (`seed_score`)
 
     @property
     def free_tokens(self) -> int:
@@ -75,6 +75,11 @@ class BackendRoom:
     def cost(self, demand_tokens: int) -> int:
         """What the demand adds here."""
         return demand_tokens - self.shared_tokens
+
+    @property
+    def seed(self) -> int:
+        """The demand's rendezvous score here: asked only when placement needs it."""
+        return seed_score(self.seed_key, self.name) if self.seed_key else 0
 
     @property
     def fill(self) -> float:

@@ -27,7 +27,7 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 
 from policies.ordering import Ordering
-from policies.placement import BackendRoom, PlacementName, rank_backends, seed_score
+from policies.placement import BackendRoom, PlacementName, rank_backends
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
@@ -189,7 +189,7 @@ class AdmissionController:
                 name=b.name, capacity_tokens=self._admission_room(b, demand),
                 resident_tokens=self._ledger.resident(b.name), shared_tokens=shared,
                 cached_tokens=cached,
-                seed=seed_score(seed, b.name) if seed and b.shares_prefixes else 0))
+                seed_key=seed if seed and b.shares_prefixes else ""))
         return rooms
 
     def _predicted(self, order: list[Waiter], now: float,

@@ -88,7 +88,7 @@ def _room(name: str, resident: int, *, capacity: int = 1000, shared: int = 0,
           cached: int = 0, key: str | None = None) -> BackendRoom:
     return BackendRoom(name=name, capacity_tokens=capacity, resident_tokens=resident,
                        shared_tokens=shared, cached_tokens=cached,
-                       seed=seed_score(key, name) if key is not None else 0)
+                       seed_key=key or "")
 
 
 def test_a_prefix_held_nowhere_is_seeded_by_rendezvous_hashing_of_its_opening() -> None:
