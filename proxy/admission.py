@@ -252,8 +252,7 @@ class AdmissionController:
         self._enqueue(waiter)
         self.kick()
         # held back for the backend that holds its prefix, it may go anywhere from then
-        spill = (loop.call_at(_spill_at(waiter), self.kick)
-                 if demand.blocks and len(self.backends) > 1 else None)
+        spill = loop.call_at(_spill_at(waiter), self.kick) if demand.blocks else None
         handed_over = False
         try:
             async with asyncio.timeout_at(deadline):
@@ -438,16 +437,15 @@ class AdmissionController:
         for waiter in order:
             if waiter.fut.done():
                 continue
-            # a starving waiter holds out for no backend: it holds up the queue
-            starving = now - waiter.view.arrival >= self._starvation_s
             try:
                 lease = await self._try_place(waiter.demand, waiter,
-                                              spill=starving or now >= _spill_at(waiter))
+                                              spill=now >= _spill_at(waiter))
             except LedgerUnavailable as exc:
                 self._fail_all(exc)
                 return
             if lease is None:
-                if starving and self._could_ever_fit(waiter.demand):
+                if (now - waiter.view.arrival >= self._starvation_s
+                        and self._could_ever_fit(waiter.demand)):
                     self._refuse_the_late(order, now)
                     return  # hold the next room for the starving waiter
                 continue

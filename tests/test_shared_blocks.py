@@ -298,14 +298,12 @@ class ScanEveryCall(PrefixView):
 
 def sharing_controller(ledger: Ledger, capacities: list[int], *,
                        placement: PlacementName = PlacementName.BEST_FIT,
-                       starvation_s: float = 5.0,
                        on_event: Callable[[str, Lease | None], None] | None = None,
                        ) -> AdmissionController:
     bs = [Backend(name=f"b{i}", url=f"http://127.0.0.1:{9000 + i}", capacity_tokens=cap)
           for i, cap in enumerate(capacities)]
     c = AdmissionController(model="m", backends=bs, ledger=ledger, ordering=Fifo(),
-                            placement=placement, max_queue_depth=64, on_event=on_event,
-                            starvation_s=starvation_s)
+                            placement=placement, max_queue_depth=64, on_event=on_event)
     for b in bs:
         c.set_shares_prefixes(b, True)
     # no deadline predictions: what is refused must not hang on the clock
@@ -727,36 +725,5 @@ def test_a_group_s_requests_from_two_replicas_seed_its_prefix_on_one_backend() -
         assert len(set(homes)) >= 3, homes
         for lease in leases:
             lease.release()
-
-    asyncio.run(scenario())
-
-
-def test_a_starving_waiter_does_not_hold_out_for_its_prefix_s_backend() -> None:
-    """Past `starvation_s` a waiter holds the queue's next room; one held back for its
-    prefix's backend would hold the queue while room it could take sat free. Starving,
-    it goes where there is room at the next pass, long before its spill time (3 s)."""
-    prefix = seeded_on("b0", ["b0", "b1"], 20)
-
-    async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        c = sharing_controller(MemoryLedger(), [2000, 2000], starvation_s=0.2)
-        a = await c.try_acquire(prefixed(700, prefix))
-        assert a is not None and a.backend.name == "b0"
-        a.answered()
-        filler = await c.try_acquire(demand_plain(1250))
-        busy = await c.try_acquire(demand_plain(1500))
-        small = await c.try_acquire(demand_plain(100))
-        assert filler is not None and busy is not None and small is not None
-        assert [x.backend.name for x in (filler, busy, small)] == ["b0", "b1", "b1"]
-        start = loop.time()
-        w = asyncio.ensure_future(c.acquire(prefixed(400, [*prefix, key(11, 0)]), soon(9)))
-        await asyncio.sleep(0.3)
-        assert not w.done()  # held out for b0 (b1 80% loaded, b0 97.5%)
-        small.release()  # an event (b1 75% now): the next pass finds W starving
-        lease = await asyncio.wait_for(w, 1)
-        assert lease.backend.name == "b1" and loop.time() - start < SPILL_AFTER * 9
-        for held in (lease, a, filler, busy):
-            held.release()
-        assert all(c._ledger.resident(b.name) == 0 for b in c.backends)
 
     asyncio.run(scenario())
