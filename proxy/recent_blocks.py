@@ -12,11 +12,17 @@ to the lease that takes it again like any other block).
 Every answered lease's keys are remembered when it is released, shared or not, so a
 unique prompt's ~60 keys are remembered too. Rather than an `OrderedDict` (a linked node
 per key besides its dict slot, and a Python-level loop to move or insert each), the order
-is a `deque` of remember events and a plain dict counts each key's events in it: half
-the memory a key, a release whose keys are all new (every unique prompt) is a few
-C-level bulk calls, and the least recent key is the first one whose last event leaves
-the deque's left end (`_evict`). What stays is probing a table as large as the pool in
-blocks: memory-bound, whatever holds it.
+is a list of remember events read from a moving head, and a plain dict counts each key's
+events in it: half the memory a key. A release whose keys are all new (every unique
+prompt) is a few C-level bulk calls, and so is the eviction it causes at steady state:
+the events it takes off the head are sliced at once, and where each was its key's only
+one (a unique prompt's keys), their keys are deleted in one C-level pass; a key
+remembered again since (a shared prefix) takes the per-key path. With a 262,144-token
+pool in 16-token blocks, a 1,000-token unique prompt's acquire-answer-release through
+the admission controller went from 73-92 to 43-52 us (in-process, 4,000 requests, three
+alternating rounds): the per-key eviction loop was half of what its block keys cost.
+What stays is probing a table as large as the pool in blocks: memory-bound, whatever
+holds it.
 """
 
 from __future__ import annotations
@@ -31,13 +37,16 @@ __all__ = ["RecentBlocks"]
 class RecentBlocks:
     """A bounded LRU of block keys."""
 
-    __slots__ = ("_events", "_keys", "capacity_blocks")
+    __slots__ = ("_events", "_head", "_keys", "capacity_blocks")
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = max(0, capacity_blocks)
-        # key -> how many times it is in `_events`; its last one is its place in the LRU
+        # key -> how many times it is in `_events[_head:]`; its last one is its place
         self._keys: dict[str, int] = {}
-        self._events: deque[str] = deque()  # remembered keys, least recent first
+        # remembered keys, least recent first, from `_head` on (those before are gone:
+        # dropped in bulk once they are most of the list)
+        self._events: list[str] = []
+        self._head = 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -65,30 +74,43 @@ class RecentBlocks:
         self._events.extend(keys)
         if len(cache) > self.capacity_blocks:
             self._evict(moved)
-        if len(self._events) > 2 * len(self._keys) + 1024:
+        if len(self._events) - self._head > 2 * len(self._keys) + 1024:
             self._compact()  # O(events), after at least as many new ones
+        elif self._head > 4096 and 2 * self._head > len(self._events):
+            del self._events[:self._head]  # one memmove, after as many pops
+            self._head = 0
         return moved
 
     def _evict(self, moved: list[str]) -> None:
         """Drop least recent keys to the capacity: a key's earlier events are skipped
-        (it was remembered again since), its last one evicts it."""
+        (it was remembered again since), its last one evicts it. Each pass takes as
+        many events off the head as there are keys too many; none of them can free
+        more keys than that, so nothing past the capacity is evicted."""
         cache = self._keys
         events = self._events
-        while len(cache) > self.capacity_blocks:
-            key = events.popleft()
-            n = cache[key] - 1
-            if n:
-                cache[key] = n
-            else:
-                del cache[key]
-                moved.append(key)
+        while (over := len(cache) - self.capacity_blocks) > 0:
+            head = self._head
+            batch = events[head:head + over]
+            self._head = head + len(batch)
+            if max(map(cache.__getitem__, batch)) == 1:  # each its key's only event
+                deque(map(cache.__delitem__, batch), maxlen=0)
+                moved += batch
+                continue
+            for key in batch:
+                n = cache[key] - 1
+                if n:
+                    cache[key] = n
+                else:
+                    del cache[key]
+                    moved.append(key)
 
     def _compact(self) -> None:
         """Keys remembered again and again (a common system prompt) while nothing is
         evicted leave stale events: keep each key's last one only, in order."""
-        latest = list(dict.fromkeys(reversed(self._events)))  # most recent first
+        latest = list(dict.fromkeys(reversed(self._events[self._head:])))  # most recent first
         latest.reverse()
-        self._events = deque(latest)
+        self._events = latest
+        self._head = 0
         self._keys = dict.fromkeys(latest, 1)
 
     def leading(self, keys: Sequence[str], start: int = 0) -> int:
