@@ -616,21 +616,58 @@ def test_redis_reserve_retried_after_a_lost_reply_records_the_blocks_redis_recor
 def test_the_cache_model_evicts_a_released_prompts_tail_first_as_the_engine_does() -> None:
     """vLLM v1 frees a request's blocks tail first (and `kvgate sim`, `proxy.sim.kv_cache`):
     under pressure the private tail goes, the shared head stays. A model that evicted the
-    head first would say the whole prefix gone (a prefix hit reads leading blocks only)."""
-    a_keys = [key(7, i) for i in range(20)]
-    b_keys = [key(8, i) for i in range(20)]
+    head first would say the whole prefix gone (a prefix hit reads leading blocks only).
+    The model keeps one key per 128 tokens (every 8th 16-token block)."""
+    a_keys = [key(7, i) for i in range(40)]
+    b_keys = [key(8, i) for i in range(40)]
 
     async def scenario() -> None:
-        c = sharing_controller(MemoryLedger(), [30 * BT])  # the model holds 30 blocks
+        c = sharing_controller(MemoryLedger(), [60 * BT])  # room for 7 modelled keys
         backend = c.backends[0]
         for keys in (a_keys, b_keys):  # one after the other, each answered
-            lease = await c.try_acquire(prefixed(20 * BT + 1, keys))
+            lease = await c.try_acquire(prefixed(40 * BT + 1, keys))
             assert lease is not None
             lease.answered()
             lease.release()
-        # 40 blocks released into 30: 10 of A's went, its last 10
-        assert c.prefixes.held(backend, prefixed(20 * BT + 1, a_keys)) == (0, 10 * BT)
-        assert c.prefixes.held(backend, prefixed(20 * BT + 1, b_keys)) == (0, 20 * BT)
+        # 10 modelled keys released into 7: A's last 3 went (blocks 39, 31, 23), so its
+        # first 16 blocks are still cached
+        assert c.prefixes.held(backend, prefixed(40 * BT + 1, a_keys)) == (0, 16 * BT)
+        assert c.prefixes.held(backend, prefixed(40 * BT + 1, b_keys)) == (0, 40 * BT)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("block_tokens", [16, 32, 128, 256])
+def test_the_cache_model_counts_whole_strides_of_128_tokens(block_tokens: int) -> None:
+    """One modelled key per 128 tokens (every block where blocks are that large): a
+    cached figure ends at the last modelled key of the run, from the first one at or
+    past the ready blocks; blocks past the prompt's last modelled key are not counted."""
+    stride = max(1, 128 // block_tokens)
+    blocks = [key(9, i) for i in range(5 * stride + stride // 2)]
+    prompt = block_tokens * len(blocks) + 1
+
+    def demand(keys: list[str]) -> Demand:
+        return Demand(tokens=prompt + 16, prompt_tokens=prompt, max_tokens=16,
+                      blocks=tuple(keys), block_tokens=block_tokens)
+
+    async def scenario() -> None:
+        c = sharing_controller(MemoryLedger(), [100 * prompt])
+        backend = c.backends[0]
+        lease = await c.try_acquire(demand(blocks))
+        assert lease is not None
+        lease.answered()
+        lease.release()
+        assert c.prefixes.held(backend, demand(blocks)) == (0, 5 * stride * block_tokens)
+        # a prompt that leaves at its 3rd modelled block: the first 2 strides cached
+        other = [*blocks[:3 * stride - 1], key(10, 0), *blocks[3 * stride:]]
+        assert c.prefixes.held(backend, demand(other)) == (0, 2 * stride * block_tokens)
+        # part of it ready on a live lease: cached counts on from there
+        ready = await c.try_acquire(demand(blocks[:stride + 1]))
+        assert ready is not None
+        ready.answered()
+        held = c.prefixes.held(backend, demand(blocks))
+        assert held == ((stride + 1) * block_tokens, (5 * stride - stride - 1) * block_tokens)
+        ready.release()
 
     asyncio.run(scenario())
 
