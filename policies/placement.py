@@ -19,7 +19,7 @@ a backend that is not clearly less loaded (by `PREFIX_IMBALANCE` of its pool, no
 there it would be computed and held a
 second time, for one request, while the room it took would have served several of
 that backend's own. It goes anywhere with room once it has waited a third of its time
-to the deadline (`proxy.admission.SPILL_AFTER`), so no backend idles while it waits.
+to the deadline (`proxy.waiting_room.SPILL_AFTER`), so no backend idles while it waits.
 As SGLang's router sends to the busy worker that matches and lets it queue.
 
 A prefix held nowhere yet is seeded by rendezvous hashing of its opening

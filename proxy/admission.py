@@ -12,7 +12,9 @@ view, its waiting room and its dispatch. The flow:
 Dispatch offers capacity to waiters in the ordering policy's order and lets
 smaller waiters backfill past one that does not fit yet, until the head has
 waited `starvation_s`: then nobody passes it, so it gets the next room that
-opens. That bounds both head-of-line blocking and starvation.
+opens (unless it holds out for its prefix's backend while another has room for it:
+then it would hold the queue for room it refuses). That bounds both head-of-line
+blocking and starvation.
 
 Its parts elsewhere: who waits and in which order (`proxy.waiting_room`), how much of
 a demand's prefix each backend holds (`proxy.prefix_view`), and when a waiter could
@@ -43,9 +45,6 @@ __all__ = ["AdmissionController", "Backend", "Demand", "Lease", "ReleaseRate"]
 # random-number system call per lease, as uuid4() makes.
 _LEASE_PREFIX = secrets.token_hex(8)
 _lease_seq = itertools.count(1)
-# share of its time to deadline a waiter holds out for the backend that holds its prefix
-# (`policies.placement.worth_waiting_for`) before it may go to any with room
-SPILL_AFTER = 1 / 3
 
 
 class AdmissionController:
@@ -252,7 +251,7 @@ class AdmissionController:
         self._enqueue(waiter)
         self.kick()
         # held back for the backend that holds its prefix, it may go anywhere from then
-        spill = loop.call_at(_spill_at(waiter), self.kick) if demand.blocks else None
+        spill = loop.call_at(waiter.spill_at, self.kick) if demand.blocks else None
         handed_over = False
         try:
             async with asyncio.timeout_at(deadline):
@@ -437,15 +436,16 @@ class AdmissionController:
         for waiter in order:
             if waiter.fut.done():
                 continue
+            spill = now >= waiter.spill_at
             try:
-                lease = await self._try_place(waiter.demand, waiter,
-                                              spill=now >= _spill_at(waiter))
+                lease = await self._try_place(waiter.demand, waiter, spill=spill)
             except LedgerUnavailable as exc:
                 self._fail_all(exc)
                 return
             if lease is None:
                 if (now - waiter.view.arrival >= self._starvation_s
-                        and self._could_ever_fit(waiter.demand)):
+                        and self._could_ever_fit(waiter.demand)
+                        and (spill or not self._held_out(waiter))):
                     self._refuse_the_late(order, now)
                     return  # hold the next room for the starving waiter
                 continue
@@ -469,6 +469,12 @@ class AdmissionController:
                 w.fut.set_exception(predicted_late(self.model, w.demand.tokens, wait_s,
                                                    w.deadline - now))
 
+    def _held_out(self, waiter: Waiter) -> bool:
+        """Whether the waiter holds out for its prefix's backend while another has room
+        for it: starving, it must not hold the next room it would refuse."""
+        return bool(rank_backends(self.rooms(waiter.demand, owner=waiter),
+                                  waiter.demand.tokens, self._placement, spill=True))
+
     def _could_ever_fit(self, demand: Demand) -> bool:
         """Whether releases alone could make room for `demand` under today's admission
         targets. A demand above every target (a strict lease while the target is
@@ -491,8 +497,3 @@ class AdmissionController:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-
-def _spill_at(waiter: Waiter) -> float:
-    """From when a waiter held back for the backend that holds its prefix
-    (`policies.placement.worth_waiting_for`) may go to any backend with room."""
-    return waiter.view.arrival + SPILL_AFTER * (waiter.deadline - waiter.view.arrival)

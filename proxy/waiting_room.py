@@ -21,7 +21,11 @@ from dataclasses import replace
 from policies.ordering import Ordering, WaiterView, class_rank
 from proxy.leases import Demand, Lease
 
-__all__ = ["Waiter", "WaitingRoom"]
+__all__ = ["SPILL_AFTER", "Waiter", "WaitingRoom"]
+
+# share of its time to deadline a waiter holds out for the backend that holds its prefix
+# (`policies.placement.worth_waiting_for`) before it may go to any with room
+SPILL_AFTER = 1 / 3
 
 
 class Waiter:
@@ -35,6 +39,12 @@ class Waiter:
         self.demand: Demand = demand
         self.fut = fut
         self.deadline = deadline
+
+    @property
+    def spill_at(self) -> float:
+        """From when, held back for the backend that holds its prefix, it may go to any
+        backend with room (`SPILL_AFTER`)."""
+        return self.view.arrival + SPILL_AFTER * (self.deadline - self.view.arrival)
 
     def resize(self, tokens: int) -> None:
         """Adaptive reservation sized it anew: its place in a size-aware order moves."""

@@ -23,12 +23,13 @@ import redis.asyncio as aioredis
 
 from policies.ordering import Fifo
 from policies.placement import PlacementName, seed_score
-from proxy.admission import SPILL_AFTER, AdmissionController, Backend, Demand, Lease, ReleaseRate
+from proxy.admission import AdmissionController, Backend, Demand, Lease, ReleaseRate
 from proxy.errors import KvgateError, LedgerUnavailable
 from proxy.ledger import Ledger, MemoryLedger
 from proxy.prefix_view import PrefixView
 from proxy.recent_blocks import RecentBlocks
 from proxy.redis_ledger import RedisLedger
+from proxy.waiting_room import SPILL_AFTER
 from tests.support.redis_server import RedisServer, block_fields
 from tests.support.tcp_tap import reply_dropping_relay
 
@@ -298,12 +299,14 @@ class ScanEveryCall(PrefixView):
 
 def sharing_controller(ledger: Ledger, capacities: list[int], *,
                        placement: PlacementName = PlacementName.BEST_FIT,
+                       starvation_s: float = 5.0,
                        on_event: Callable[[str, Lease | None], None] | None = None,
                        ) -> AdmissionController:
     bs = [Backend(name=f"b{i}", url=f"http://127.0.0.1:{9000 + i}", capacity_tokens=cap)
           for i, cap in enumerate(capacities)]
     c = AdmissionController(model="m", backends=bs, ledger=ledger, ordering=Fifo(),
-                            placement=placement, max_queue_depth=64, on_event=on_event)
+                            placement=placement, max_queue_depth=64, on_event=on_event,
+                            starvation_s=starvation_s)
     for b in bs:
         c.set_shares_prefixes(b, True)
     # no deadline predictions: what is refused must not hang on the clock
@@ -733,6 +736,39 @@ def test_a_waiter_held_out_for_its_prefix_s_backend_spills_after_a_third_of_its_
         assert (lease.backend.name, lease.shared_tokens) == ("b1", 0)
         assert SPILL_AFTER * 0.9 - 0.01 <= waited < 0.9
         for held in (lease, a, filler, busy):
+            held.release()
+        assert c.queue_depth == 0 and all(c._ledger.resident(b.name) == 0 for b in c.backends)
+
+    asyncio.run(scenario())
+
+
+def test_a_starving_waiter_held_out_for_its_prefix_s_backend_holds_up_nobody() -> None:
+    """Past `starvation_s` a waiter holds the queue's next room. W, held out for b0 (its
+    prefix's backend, full) while b1 has room, must not: X behind it, which fits b1, is
+    admitted at once rather than at W's spill time (3 s). W still takes b0 when room
+    opens there."""
+    prefix = seeded_on("b0", ["b0", "b1"], 20)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        c = sharing_controller(MemoryLedger(), [2000, 2000], starvation_s=0.2)
+        a = await c.try_acquire(prefixed(700, prefix))
+        assert a is not None and a.backend.name == "b0"
+        a.answered()
+        filler = await c.try_acquire(demand_plain(1250))  # b0: 1,950 of 2,000
+        busy = await c.try_acquire(demand_plain(1500))  # b1: 1,500
+        assert filler is not None and busy is not None
+        w = asyncio.ensure_future(c.acquire(prefixed(400, [*prefix, key(11, 0)]), soon(9)))
+        await asyncio.sleep(0.3)
+        assert not w.done() and c.queue_depth == 1  # held out for b0, starving now
+        start = loop.time()
+        x = await asyncio.wait_for(c.acquire(demand_plain(300), soon(9)), 1)
+        assert x.backend.name == "b1" and loop.time() - start < 0.1
+        assert not w.done()
+        filler.release()
+        lease = await asyncio.wait_for(w, 1)
+        assert (lease.backend.name, lease.shared_tokens) == ("b0", 320)
+        for held in (lease, a, busy, x):
             held.release()
         assert c.queue_depth == 0 and all(c._ledger.resident(b.name) == 0 for b in c.backends)
 
