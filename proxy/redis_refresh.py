@@ -160,7 +160,7 @@ class RefreshingUpkeep(Upkeep):
                     # a cancelled task (and with it, shutdown).
                     with contextlib.suppress(*REDIS_ERRORS, TimeoutError):
                         async with asyncio.timeout(1.0):
-                            await pubsub.aclose()  # type: ignore[no-untyped-call]
+                            await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]
             except REDIS_ERRORS as exc:
                 if not unreachable(exc):  # e.g. SUBSCRIBE denied by an ACL
                     self._repeats.log(("listen", *fault(exc)), logging.ERROR,
