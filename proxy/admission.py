@@ -471,9 +471,10 @@ class AdmissionController:
 
     def _held_out(self, waiter: Waiter) -> bool:
         """Whether the waiter holds out for its prefix's backend while another has room
-        for it: starving, it must not hold the next room it would refuse."""
-        return bool(rank_backends(self.rooms(waiter.demand, owner=waiter),
-                                  waiter.demand.tokens, self._placement, spill=True))
+        (and a free slot) for it: starving, it must not hold the next room it refuses."""
+        d = waiter.demand
+        return bool(d.blocks) and any(self._by_name[name].slot_free for name in rank_backends(
+            self.rooms(d, owner=waiter), d.tokens, self._placement, spill=True))
 
     def _could_ever_fit(self, demand: Demand) -> bool:
         """Whether releases alone could make room for `demand` under today's admission

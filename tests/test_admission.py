@@ -234,6 +234,37 @@ def test_a_starving_head_above_the_admission_target_does_not_hold_the_queue() ->
     asyncio.run(scenario())
 
 
+def test_a_starving_head_waiting_for_a_slot_holds_the_queue() -> None:
+    """Only a waiter held out for its prefix's backend lets others pass once it starves
+    (`tests/test_shared_blocks.py`). A plain head that waits for b0's one llama.cpp
+    slot (room enough there, the slot busy; b1 too full for it) holds the next room: a
+    small request that fits b1 waits behind it."""
+    async def scenario() -> None:
+        ledger = MemoryLedger()
+        bs = [Backend(name="b0", url="http://127.0.0.1:9000", capacity_tokens=1000, slots=1),
+              Backend(name="b1", url="http://127.0.0.1:9001", capacity_tokens=1000)]
+        c = AdmissionController(model="m", backends=bs, ledger=ledger,
+                                ordering=make_ordering("fifo"), max_queue_depth=8,
+                                starvation_s=0.05)
+        busy = await c.acquire(demand(100), soon())  # b0's one slot
+        filler = await c.acquire(demand(800), soon())  # no slot on b0: b1
+        assert (busy.backend.name, filler.backend.name) == ("b0", "b1")
+        big = asyncio.create_task(c.acquire(demand(500), soon()))
+        await asyncio.sleep(0.1)  # starving now, before its spill time (1.7 s)
+        small = asyncio.create_task(c.acquire(demand(100), soon()))
+        await asyncio.sleep(0.05)
+        assert not big.done() and not small.done()
+        busy.release()
+        big_lease = await asyncio.wait_for(big, 1)
+        small_lease = await asyncio.wait_for(small, 1)
+        assert (big_lease.backend.name, small_lease.backend.name) == ("b0", "b1")
+        for lease in (big_lease, small_lease, filler):
+            lease.release()
+        assert ledger.resident("b0") == ledger.resident("b1") == 0
+
+    asyncio.run(scenario())
+
+
 def test_best_fit_packs_and_spreads_over_backends() -> None:
     async def scenario() -> None:
         c, ledger = controller(capacity=100, backends=2)
