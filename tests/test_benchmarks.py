@@ -373,6 +373,31 @@ def test_bench_ledger_shared_prefix_cases_run_small() -> None:
     assert ledger.resident("gpu-a") == 0
 
 
+def test_bench_gate_drives_both_settings_to_completion_and_leaves_nothing_held(
+        tmp_path: Path) -> None:
+    """`bench_gate`: both settings answer every request, only `auto` carries block keys,
+    and neither ledger holds anything afterwards."""
+    from benchmarks.bench_gate import cpu_us_per_request, gates, serve_one
+    from benchmarks.bench_peers import bodies
+
+    async def main() -> None:
+        served = await gates(tmp_path)
+        try:
+            for mode, (_, gate) in served.items():
+                batch = bodies("shared", 12, stream=True, max_tokens=8, seed=7)
+                assert await cpu_us_per_request(gate, batch, 4) > 0
+                record = await serve_one(gate, batch[0])
+                assert record.outcome == "completed" and record.prompt_tokens
+                # a lease's shared figure exists only where it brought keys
+                assert (record.shared_tokens is not None) == (mode == "auto")
+                assert [gate.ledger.resident(b.name) for b in gate.backends] == [0]
+        finally:
+            for runtime, _ in served.values():
+                await runtime.close()
+
+    asyncio.run(main())
+
+
 def test_a_refused_client_retries_once_after_retry_after_with_its_ticket() -> None:
     """Over HTTP: the first try of each request is refused (429, `retry-after-ms`, a
     ticket); the client waits what it was told, sends the ticket back once, and its
