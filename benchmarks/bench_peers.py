@@ -294,10 +294,18 @@ TARGETS = ("direct", "floor", "kvgate")
 BASELINE = "baseline"  # --baseline DIR: another kvgate checkout, e.g. before a change
 
 
+# Seeds per repeat: each `--repeat` sends prompts no earlier one sent. With one seed
+# sequence for all, repeats 2 and 3 re-sent repeat 1's "unique" prompts, and a count
+# cache that still held them skipped the count: one holding more entries (counts
+# only, as with sharing off or at bde6de9) hit more than one holding ids (sharing on),
+# so later repeats compared cache sizes, not code.
+SEEDS_PER_REPEAT = 1_000_000
+
+
 async def run_all(urls: dict[str, str], pids: dict[str, int | None],
-                  args: argparse.Namespace) -> list[dict[str, Any]]:
+                  args: argparse.Namespace, repeat: int = 0) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    seed = 1
+    seed = 1 + repeat * SEEDS_PER_REPEAT
     # against a real engine every target gets a fresh connection per request: the
     # engine closes its own after each streamed answer, and so `direct` must
     connector = aiohttp.TCPConnector(limit=0, force_close=args.engine is not None)
@@ -589,7 +597,7 @@ def main() -> None:
         print(HEADER + (BASELINE_HEADER if args.baseline else ""))
         try:
             with asyncio.Runner(loop_factory=new_loop) as runner:
-                runs = [runner.run(run_all(urls, pids, args)) for _ in range(args.repeat)]
+                runs = [runner.run(run_all(urls, pids, args, k)) for k in range(args.repeat)]
             rows = runs[0]
             if args.repeat > 1:
                 rows = median_rows(runs)

@@ -398,6 +398,47 @@ def test_bench_gate_drives_both_settings_to_completion_and_leaves_nothing_held(
     asyncio.run(main())
 
 
+def test_bench_peers_repeats_send_prompts_no_earlier_repeat_sent() -> None:
+    """`bench_peers --repeat`: every repeat sends new "unique" prompts (a repeat that
+    re-sent them let a count cache that still held them skip the count)."""
+    import argparse
+    import os
+
+    from benchmarks.bench_peers import run_all
+
+    sent: list[list[str]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        sent[-1].append(body["messages"][-1]["content"])
+        return web.json_response({"choices": [{"index": 0, "message": {
+            "role": "assistant", "content": "x"}, "finish_reason": "stop"}]})
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        args = argparse.Namespace(workloads=["unique"], concurrency=[2], requests=8,
+                                  rounds=2, max_tokens=4, engine=None)
+        try:
+            for repeat in range(2):
+                sent.append([])
+                targets = ("direct", "floor", "kvgate")  # all three: one recording mock
+                await run_all(dict.fromkeys(targets, f"http://127.0.0.1:{port}"),
+                              dict.fromkeys(targets, os.getpid()), args, repeat)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    first, second = (set(prompts) for prompts in sent)
+    assert len(sent[0]) == len(sent[1]) > 24  # 3 targets: warm-up, json, stream, 2 rounds
+    assert len(first) == len(sent[0]) and first.isdisjoint(second)
+
+
 def test_a_refused_client_retries_once_after_retry_after_with_its_ticket() -> None:
     """Over HTTP: the first try of each request is refused (429, `retry-after-ms`, a
     ticket); the client waits what it was told, sends the ticket back once, and its
