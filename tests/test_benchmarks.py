@@ -379,6 +379,7 @@ def test_bench_gate_drives_both_settings_to_completion_and_leaves_nothing_held(
     and neither ledger holds anything afterwards."""
     from benchmarks.bench_gate import cpu_us_per_request, gates, serve_one
     from benchmarks.bench_peers import bodies
+    from proxy.metrics import Outcome
 
     async def main() -> None:
         served = await gates(tmp_path)
@@ -387,7 +388,7 @@ def test_bench_gate_drives_both_settings_to_completion_and_leaves_nothing_held(
                 batch = bodies("shared", 12, stream=True, max_tokens=8, seed=7)
                 assert await cpu_us_per_request(gate, batch, 4) > 0
                 record = await serve_one(gate, batch[0])
-                assert record.outcome == "completed" and record.prompt_tokens
+                assert record.outcome == Outcome.COMPLETED and record.prompt_tokens
                 # a lease's shared figure exists only where it brought keys
                 assert (record.shared_tokens is not None) == (mode == "auto")
                 assert [gate.ledger.resident(b.name) for b in gate.backends] == [0]
@@ -405,6 +406,7 @@ def test_bench_peers_repeats_send_prompts_no_earlier_repeat_sent() -> None:
     import os
 
     from benchmarks.bench_peers import run_all
+    from proxy.ports import free_port
 
     sent: list[list[str]] = []
 
@@ -419,9 +421,8 @@ def test_bench_peers_repeats_send_prompts_no_earlier_repeat_sent() -> None:
         app.router.add_post("/v1/chat/completions", chat)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
         args = argparse.Namespace(workloads=["unique"], concurrency=[2], requests=8,
                                   rounds=2, max_tokens=4, engine=None)
         try:
