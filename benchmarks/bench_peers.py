@@ -312,7 +312,7 @@ async def run_all(urls: dict[str, str], pids: dict[str, int | None],
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=60)) as session:
         for workload in args.workloads:
-            for stream in (False, True):
+            for stream in (mode == "stream" for mode in args.modes):
                 for conc in args.concurrency:
                     n = args.requests if conc > 1 else max(50, args.requests // 4)
                     cells: dict[str, Cell] = {t: Cell() for t in urls}
@@ -322,8 +322,11 @@ async def run_all(urls: dict[str, str], pids: dict[str, int | None],
                                       max_tokens=args.max_tokens, seed=seed)
                         seed += 1
                         await load(session, urls[target], warm, conc, None)
-                    for _ in range(args.rounds):  # interleave so drift hits every target
-                        for target in urls:
+                    for r in range(args.rounds):  # interleave so drift hits every target
+                        # and alternate the order (ABBA): in a fixed order, the same code
+                        # as kvgate and as --baseline read 0.82-0.92x three runs in a
+                        # row (stream, c=64), the place in the round as much as the code
+                        for target in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
                             payloads = bodies(workload, n // args.rounds, stream=stream,
                                               max_tokens=args.max_tokens, seed=seed)
                             seed += 1
@@ -524,6 +527,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--workloads", nargs="+", default=["unique", "shared"],
                         choices=["unique", "shared"])
+    parser.add_argument("--modes", nargs="+", default=["json", "stream"],
+                        choices=["json", "stream"], help="answers as one body, as events")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--kvgate-env", nargs="*", default=[], metavar="NAME=VALUE",

@@ -424,7 +424,8 @@ def test_bench_peers_repeats_send_prompts_no_earlier_repeat_sent() -> None:
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         args = argparse.Namespace(workloads=["unique"], concurrency=[2], requests=8,
-                                  rounds=2, max_tokens=4, engine=None)
+                                  rounds=2, max_tokens=4, engine=None,
+                                  modes=["json", "stream"])
         try:
             for repeat in range(2):
                 sent.append([])
@@ -438,6 +439,54 @@ def test_bench_peers_repeats_send_prompts_no_earlier_repeat_sent() -> None:
     first, second = (set(prompts) for prompts in sent)
     assert len(sent[0]) == len(sent[1]) > 24  # 3 targets: warm-up, json, stream, 2 rounds
     assert len(first) == len(sent[0]) and first.isdisjoint(second)
+
+
+def test_bench_peers_alternates_the_order_of_targets_round_by_round() -> None:
+    """`bench_peers` rounds run the targets in turn, in reverse every other round (a
+    target's place in the round biased it by up to 15%), and `--modes json` sends only
+    one-body answers. Each target is its own port of one recording mock."""
+    import argparse
+    import itertools
+    import os
+
+    from benchmarks.bench_peers import run_all
+    from proxy.ports import free_port
+
+    seen: list[tuple[int, bool]] = []  # (port, stream) of each request, in order
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append((request.transport.get_extra_info("sockname")[1], body.get("stream")))
+        return web.json_response({"choices": [{"index": 0, "message": {
+            "role": "assistant", "content": "x"}, "finish_reason": "stop"}]})
+
+    targets = ("direct", "floor", "kvgate")
+    ports = {t: free_port() for t in targets}
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        for port in ports.values():
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        args = argparse.Namespace(workloads=["unique"], concurrency=[1], requests=200,
+                                  rounds=4, max_tokens=4, engine=None, modes=["json"])
+        try:
+            await run_all({t: f"http://127.0.0.1:{p}" for t, p in ports.items()},
+                          dict.fromkeys(targets, os.getpid()), args)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    by_port = {p: t[0] for t, p in ports.items()}
+    runs = "".join(by_port[port] for port, _ in seen)
+    # warm-up d f k, then rounds d f k | k f d | d f k | k f d (a quarter of 200 at c=1:
+    # 50 requests a cell, 12 a round; the warm-up sends 2)
+    blocks = [runs[0]] + [b for a, b in itertools.pairwise(runs) if a != b]
+    assert "".join(blocks) == "dfkdfkfdfkfd", "".join(blocks)
+    assert runs.count("k") == 2 + 4 * 12
+    assert not any(stream for _, stream in seen)
 
 
 def test_a_refused_client_retries_once_after_retry_after_with_its_ticket() -> None:
