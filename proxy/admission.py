@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import secrets
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from policies.ordering import Ordering
 from policies.placement import BackendRoom, PlacementName, rank_backends
@@ -344,6 +345,20 @@ class AdmissionController:
                 self._on_event("admit", lease)
                 return lease
         return None
+
+    async def attach(self, lease: Lease, blocks: tuple[str, ...], block_tokens: int) -> int:
+        """A lease admitted on a bound of its prompt brings its block keys once counted:
+        registered where they are new on its backend (`Ledger.attach`: it was charged
+        its whole prompt and stays so), so that requests after it share them once it
+        answers. -> the blocks it references."""
+        if lease.released or not blocks or not lease.backend.shares_prefixes:
+            return 0
+        n = await self._ledger.attach(lease.lease_id, blocks, block_tokens)
+        if n == 0 or lease.released:
+            return 0
+        lease.demand = replace(lease.demand, blocks=blocks, block_tokens=block_tokens)
+        lease.on_answer(self._answered)
+        return n
 
     def note_wanted(self, lease: Lease, tokens: int) -> None:
         """A lease wants `tokens` but stays at its size (within the caller's slack):

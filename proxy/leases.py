@@ -130,6 +130,13 @@ class Lease:
     def released(self) -> bool:
         return self._released
 
+    def on_answer(self, callback: Callable[[Lease], None]) -> None:
+        """Call `callback` when the engine begins to answer (at once if it has): for a
+        lease whose block keys were registered after it was granted (`Ledger.attach`)."""
+        self._on_answer = callback
+        if self._answered and not self._released:
+            callback(self)
+
     def answered(self) -> None:
         """The engine has begun to answer (its prefill is done): once, before release."""
         if self._answered or self._released:

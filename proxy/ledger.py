@@ -72,6 +72,20 @@ class Ledger(Protocol):
         """
         ...
 
+    async def attach(self, lease_id: str, blocks: Sequence[str], block_tokens: int) -> int:
+        """Register the shared-prefix blocks of a live lease reserved without them (one
+        admitted on a bound of its prompt, before its ids were counted); -> how many it
+        references now.
+
+        Only where none of them is held on its backend: they are new there, and are
+        charged once from now on, through this lease, which was charged its whole
+        prompt and still is (resident does not change). Where one is held it references
+        none: its engine may have prefilled its own copy before those blocks were
+        cached, so it keeps paying for it. 0 for an unknown lease or one that references
+        blocks already.
+        """
+        ...
+
     def release(self, lease_id: str) -> None:
         """Remove the lease and what it adds; a second call is a no-op."""
         ...
@@ -229,6 +243,28 @@ class MemoryLedger:
         self._resident[lease.backend] = resident - held + granted
         lease.tokens = granted
         return granted
+
+    async def attach(self, lease_id: str, blocks: Sequence[str], block_tokens: int) -> int:
+        return self.attach_now(lease_id, blocks, block_tokens)
+
+    def attach_now(self, lease_id: str, blocks: Sequence[str], block_tokens: int) -> int:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.refs or not blocks:
+            return 0
+        fresh = dict.fromkeys(blocks, 1)  # a key twice in one prompt is one block
+        if block_tokens * len(fresh) > lease.tokens:
+            raise ValueError(f"{len(fresh)} blocks of {block_tokens} tokens exceed the "
+                             f"lease's {lease.tokens} tokens")
+        table = self._blocks.get(lease.backend)
+        if table is None:
+            table = self._blocks[lease.backend] = _Blocks()
+        if not table.count.keys().isdisjoint(fresh):
+            return 0
+        table.count.update(fresh)
+        table.tokens += block_tokens * len(fresh)  # and its own tokens less by as much
+        lease.refs = tuple(fresh)
+        lease.block_tokens = block_tokens
+        return len(fresh)
 
     def release(self, lease_id: str) -> None:
         lease = self._leases.pop(lease_id, None)

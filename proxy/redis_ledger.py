@@ -46,7 +46,7 @@ from proxy.errors import LedgerUnavailable
 from proxy.redis_faults import REDIS_ERRORS, unreachable
 from proxy.redis_policy import UnsafeRedisConfig
 from proxy.redis_refresh import RefreshingUpkeep
-from proxy.redis_scripts import LOST, RESERVE_LUA, RESIZE_LUA
+from proxy.redis_scripts import ATTACH_LUA, LOST, RESERVE_LUA, RESIZE_LUA
 from proxy.redis_upkeep import KEY_CHARS, LiveLease, Op, ResidentView, as_text
 
 __all__ = ["RedisLedger", "UnsafeRedisConfig"]
@@ -140,6 +140,7 @@ class RedisLedger:
         self._client = aioredis.Redis(connection_pool=pool)
         self._reserve = self._client.register_script(RESERVE_LUA)
         self._resize = self._client.register_script(RESIZE_LUA)
+        self._attach = self._client.register_script(ATTACH_LUA)
         self._upkeep.attach(self._client)
         if not await self._upkeep.connect():
             log.warning("shared ledger is UNREACHABLE at start: %s", self._url_for_log())
@@ -366,6 +367,51 @@ class RedisLedger:
             return live.tokens
         live.tokens = granted + live.ref_tokens
         return live.tokens
+
+    async def attach(self, lease_id: str, blocks: Sequence[str], block_tokens: int) -> int:
+        live = self._live.get(lease_id)
+        if live is None or live.refs or not blocks or not self.available:
+            return 0  # (Redis down or rebuilding: the lease stays charged in full)
+        if {*map(len, blocks)} != {KEY_CHARS}:
+            raise ValueError(f"block keys are {KEY_CHARS} hex digits")
+        distinct = tuple(dict.fromkeys(blocks))  # a key twice in one prompt is one block
+        if block_tokens * len(distinct) > live.tokens:
+            raise ValueError(f"{len(distinct)} blocks of {block_tokens} tokens exceed the "
+                             f"lease's {live.tokens} tokens")
+        backend = live.backend
+        try:
+            result = await self._attach(
+                keys=self.keys(backend),
+                args=[lease_id, block_tokens, "".join(distinct), self._epoch.get(backend, "")])
+        except REDIS_ERRORS as exc:
+            # Either way the lease stays registered as it was (a script that ran and
+            # lost its reply left Redis charging the same tokens, resident unchanged);
+            # this replica's view keeps it unshared, and its release drops what it holds.
+            if unreachable(exc):
+                self._upkeep.set_reachable(False, exc)
+            else:
+                self._upkeep.say_refused("attach", backend, lease_id, exc,
+                                         "the lease stays charged in full")
+            return 0
+        self._upkeep.set_reachable(True)
+        n = int(result[0])
+        if n <= LOST:
+            self._upkeep.refusal(backend, n, int(result[1]))
+            return 0
+        if n == 0 or self._live.get(lease_id) is not live or live.refs:
+            return 0  # held already here; or released here while the script ran
+        refs = distinct[:n]
+        pins = self._local_refs.get(backend)
+        if pins is None:
+            pins = self._local_refs[backend] = ChainPins()
+            self._local_ready[backend] = set()
+        pins.add(refs)
+        live.ref_keys = refs
+        live.refs = f"{block_tokens}|{''.join(refs)}"
+        live.ref_tokens = block_tokens * n
+        live.block_tokens = block_tokens
+        self._block_tokens[backend] = block_tokens
+        return n
 
     def release(self, lease_id: str) -> None:
         live = self._live.pop(lease_id, None)

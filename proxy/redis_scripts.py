@@ -82,8 +82,8 @@ logged as an error; the detection above still holds.
 
 from __future__ import annotations
 
-__all__ = ["LOST", "READY_LUA", "REBUILDING", "RECLAIM_LUA", "REFS_WIDE_FIELD", "RELEASE_LUA",
-           "RENEW_LUA", "RESERVE_LUA", "RESIZE_LUA", "STALE"]
+__all__ = ["ATTACH_LUA", "LOST", "READY_LUA", "REBUILDING", "RECLAIM_LUA", "REFS_WIDE_FIELD",
+           "RELEASE_LUA", "RENEW_LUA", "RESERVE_LUA", "RESIZE_LUA", "STALE"]
 
 # Scripts' KEYS: [1] resident counter, [2] leases hash (with the epoch fields), [3] expiry
 # zset, [4] block refs hash, [5] ready blocks set. Field names starting with '=' (byte 61)
@@ -331,6 +331,35 @@ if nrefs > 0 then
 end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[1])
 return {1, res + adds, bt * joined, nrefs, ''}
+"""
+
+# ARGV[1] lease id, ARGV[2] block size, ARGV[3] its shared-prefix block keys (a chain, 16
+# hex digits each), ARGV[4] the epoch this replica registered under
+# returns {keys it references now} or an epoch refusal (-2, -3, -4: nothing changed).
+# A lease reserved without keys (admitted on a bound of its prompt) registers them once
+# counted (`Ledger.attach`): only where its first key is not held here (then none of the
+# chain is), as new keys, one pin each, as its reserve would have pinned them; its own
+# tokens go down by as much as the blocks add, so resident does not change. Where the
+# first is held, or the lease is unknown or references keys already: {0}, nothing done.
+ATTACH_LUA = _NOW + _SUM + _epoch_check(4) + """
+local own = redis.call('HGET', KEYS[2], ARGV[1])
+if not own or redis.call('HEXISTS', KEYS[2], '#' .. ARGV[1]) == 1 then return {0} end
+local bt, ks = tonumber(ARGV[2]), ARGV[3]
+local m = #ks / 16
+if m == 0 or bt * m > tonumber(own) then return {0} end
+if redis.call('HEXISTS', KEYS[4], key_at(ks, 0, 1)) == 1 then return {0} end
+wide(KEYS[4])
+for c = 1, m, CHUNK do
+  local pairs_ = {}
+  for j = c, math.min(c + CHUNK - 1, m) do
+    pairs_[#pairs_ + 1] = key_at(ks, 0, j)
+    pairs_[#pairs_ + 1] = 1
+  end
+  redis.call('HSET', KEYS[4], unpack(pairs_))
+end
+redis.call('HSET', KEYS[2], '#' .. ARGV[1], ARGV[2] .. '|' .. ks, '=bt', bt)
+redis.call('HINCRBY', KEYS[2], ARGV[1], -bt * m)
+return {m}
 """
 
 # ARGV[1] channel, ARGV[2] backend, ARGV[3] ttl ms

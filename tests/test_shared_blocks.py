@@ -109,20 +109,71 @@ def test_memory_ledger_refuses_what_does_not_fit_after_sharing() -> None:
         led.reserve_now("a", "l4", 10, 200, blocks, BT)  # blocks bigger than the lease
 
 
+def test_memory_ledger_registers_late_keys_only_where_none_is_held() -> None:
+    """A lease reserved without its keys (admitted on a bound of its prompt) registers
+    them once counted: as new blocks where none is held, charged once from then on and
+    shared once it answers; where one is held, it references none and pays in full."""
+    led = MemoryLedger()
+    blocks = [key(4, i) for i in range(4)]
+    assert led.reserve_now("a", "bound", 100, 1000)  # no keys: its whole prompt
+    assert led.attach_now("bound", blocks, BT) == 4
+    assert led.resident("a") == 100 and led.shared_resident("a") == 4 * BT  # same charge
+    assert led.attach_now("bound", blocks, BT) == 0  # once
+    assert led.ready_blocks("a", blocks) == 0
+    led.mark_ready("bound")
+    assert led.reserve_now("a", "joiner", 100, 1000, blocks, BT)
+    assert led.shared_tokens("joiner") == 4 * BT and led.resident("a") == 136
+    # another late one: the blocks are held, so it keeps paying for its own copy
+    assert led.reserve_now("a", "late", 100, 1000)
+    assert led.attach_now("late", blocks, BT) == 0 and led.resident("a") == 236
+    with pytest.raises(ValueError):
+        led.attach_now("late", [key(5, i) for i in range(7)], BT)  # more than it spans
+    for lease in ("bound", "joiner", "late"):
+        led.release(lease)
+    assert led.resident("a") == 0 and led.shared_resident("a") == 0
+    assert led.ready_blocks("a", blocks) == 0
+    assert led.attach_now("bound", blocks, BT) == 0  # released: nothing to do
+
+
 async def _random_walk(led: Ledger, backends: list[str], steps: int, seed: int) -> None:
     """Random reserves, resizes, readiness and releases over 3 shared prefixes per
-    backend; the ledger must agree with the engine's count after every step."""
+    backend, a quarter of the reserves without keys that come later (`attach`: a lease
+    admitted on a bound of its prompt); the ledger must agree with the engine's count
+    after every step."""
     rng = random.Random(seed)
     capacity = 2_000
     held: dict[str, dict[str, Held]] = {b: {} for b in backends}
     lease_backend: dict[str, str] = {}
     ready: dict[str, set[str]] = {b: set() for b in backends}
     ready_leases: set[str] = set()
+    late: dict[str, list[str]] = {}  # reserved without their keys, not attached yet
     for _ in range(steps):
         b = rng.choice(backends)
         live = held[b]
         action = rng.random()
-        if action < 0.45 or not live:
+        waiting = [lease for lease in live if lease in late]
+        if waiting and action < 0.2:
+            lease = rng.choice(waiting)
+            blocks = late.pop(lease)
+            # registered only where none is held on the backend: new there, charged
+            # once, through it; else it references none and keeps paying in full
+            held_now = {k for h in live.values() for k in h.refs}
+            refs = blocks if blocks and blocks[0] not in held_now else []
+            assert await led.attach(lease, blocks, BT) == len(refs)
+            live[lease].refs = list(refs)
+            live[lease].extra = len(blocks) - len(refs)
+        elif rng.random() < 0.25 and (action < 0.45 or not live):
+            group, n = rng.randrange(3), rng.randrange(0, 9)
+            tokens = BT * n + rng.randrange(1, 200)
+            lease = uuid.uuid4().hex
+            fits = engine_resident(live) + tokens <= capacity
+            got = await led.reserve(b, lease, tokens, capacity)
+            assert got == fits, (got, fits)
+            if got:
+                live[lease] = Held(tokens, [], 0)
+                lease_backend[lease] = b
+                late[lease] = [key(group, i) for i in range(n)]
+        elif action < 0.45 or not live:
             group, n = rng.randrange(3), rng.randrange(0, 9)
             blocks = [key(group, i) for i in range(n)]
             tokens = BT * n + rng.randrange(1, 200)
@@ -148,7 +199,9 @@ async def _random_walk(led: Ledger, backends: list[str], steps: int, seed: int) 
         elif action < 0.75:
             lease = rng.choice(list(live))
             h = live[lease]
-            wanted = max(BT * len(h.refs), h.tokens + rng.randrange(-100, 200))
+            # (a lease waiting for its keys spans its whole prompt, them included)
+            wanted = max(BT * len(h.refs), BT * len(late.get(lease, [])) + 1,
+                         h.tokens + rng.randrange(-100, 200))
             free = capacity - engine_resident(live)
             expect = wanted if wanted <= h.tokens else min(wanted, h.tokens + max(0, free))
             assert await led.resize(lease, wanted, capacity) == expect
@@ -157,6 +210,8 @@ async def _random_walk(led: Ledger, backends: list[str], steps: int, seed: int) 
             lease = rng.choice(list(live))
             led.release(lease)
             del live[lease]
+            late.pop(lease, None)
+            assert await led.attach(lease, [key(0, 0)], BT) == 0  # gone: nothing to do
             still = {k for h in live.values() for k in h.refs}
             ready[b] &= still
         if isinstance(led, RedisLedger):
