@@ -116,7 +116,7 @@ class Admitted:
     record: Record
     progress: Progress | None = None
     # Admitted on an upper bound of the prompt: its exact count, running meanwhile.
-    late_count: asyncio.Task[tuple[int, float]] | None = None
+    late_count: asyncio.Task[tuple[int, float, tuple[str, ...]]] | None = None
     settle: Callable[[Admitted], Awaitable[None]] | None = None
 
     def on_chunk(self, chunk: bytes) -> None:

@@ -7,8 +7,9 @@ exact count. These tests run over real HTTP against the simulator and check the
 counts against transformers; the bound itself is checked against the encoders on the
 corpus and on fuzzed text.
 
-A bound has no token ids, so a model that shares prefix blocks counts first
-(`proxy.gate`): these stacks turn sharing off, where bound admission applies.
+A bound has no token ids, so a model that shares prefix blocks counts first where
+the keys decide placement or the charge (`proxy.gate`): these stacks turn sharing off,
+where bound admission always applies (with sharing: `tests/test_prefix_sharing.py`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from proxy.prefix_blocks import shareable_blocks
 from proxy.tokenize import load_counter
 from proxy.tokenize.counting import TokenCounter
 from proxy.validation import ChatRequest
+from tests.support.metrics import samples
 from tests.support.stack import MODEL, MODELS, Stack, running_stack
 
 SYSTEM = {"role": "system", "content": " ".join(
@@ -87,6 +88,47 @@ def test_a_request_that_shares_a_live_prefix_is_charged_only_for_the_rest() -> N
             async with s.get(stack.url + "/metrics") as resp:
                 text = await resp.text()
             assert f'kvgate_shared_prefix_tokens_total{{backend="sim-0"}} {float(shared)}' in text
+
+    asyncio.run(scenario())
+
+
+async def bound_admissions(s: aiohttp.ClientSession, stack: Stack) -> float:
+    async with s.get(stack.url + "/metrics") as resp:
+        got = samples(await resp.text())
+    return sum(v for _, v in got.get("kvgate_bound_admissions_total", []))
+
+
+def test_a_request_admitted_on_a_bound_registers_its_blocks_for_the_next() -> None:
+    """One backend that holds no shared blocks: A (the client set max_tokens) is
+    admitted on a bound of its prompt before its ids are counted, and charged its whole
+    prompt; its keys, counted while the engine starts on it, are registered before its
+    answer begins. B, arriving while A runs, finds blocks held, so it is counted first,
+    and it shares A's: the engine hits exactly those."""
+    shared = expected_shared(chat("What is rule 3?"), chat("And rule 7?"))
+
+    async def scenario() -> None:
+        async with running_stack(backends=1, engine={"decode_step_ms": 5.0}) as stack, \
+                aiohttp.ClientSession() as s:
+            a, _ = await open_stream(s, stack, chat("What is rule 3?"), 400)
+            assert await bound_admissions(s, stack) == 1.0
+            prompt = int(a.headers["x-kvgate-prompt-tokens"])
+            assert a.headers["x-kvgate-shared-prefix-tokens"] == "0"
+            assert int(a.headers["x-kvgate-reserved-tokens"]) == stack.resident()["sim-0"]
+            ledger = stack.state.ledger
+            assert ledger.shared_resident("sim-0") == 16 * shareable_blocks(prompt, 16)
+            headers, data = await ask(s, stack, chat("And rule 7?"))
+            assert await bound_admissions(s, stack) == 1.0  # B was counted first
+            assert int(headers["x-kvgate-shared-prefix-tokens"]) == shared
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
+            a.close()
+            async with asyncio.timeout(5):
+                while stack.resident()["sim-0"]:
+                    await asyncio.sleep(0.01)
+            assert ledger.shared_resident("sim-0") == 0 and ledger.lease_count("sim-0") == 0
+            # nothing held now: the next is admitted on its bound again
+            headers, _ = await ask(s, stack, chat("And rule 9?"))
+            assert await bound_admissions(s, stack) == 2.0
+            assert headers["x-kvgate-shared-prefix-tokens"] == "0"
 
     asyncio.run(scenario())
 
