@@ -17,8 +17,9 @@ then it would hold the queue for room it refuses). That bounds both head-of-line
 blocking and starvation.
 
 Its parts elsewhere: who waits and in which order (`proxy.waiting_room`), how much of
-a demand's prefix each backend holds (`proxy.prefix_view`), and when a waiter could
-start at the recent release rate (`proxy.queue_forecast`).
+a demand's prefix each backend holds (`proxy.prefix_view`), when a waiter could start
+at the recent release rate (`proxy.queue_forecast`), and the setters of its backends'
+state (`proxy.backend_state`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import replace
 
 from policies.ordering import Ordering
 from policies.placement import BackendRoom, PlacementName, rank_backends
+from proxy.backend_state import BackendWriter
 from proxy.errors import LedgerUnavailable, NoBackend, QueueFull, QueueTimeout, RequestTooLarge
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
@@ -48,7 +50,7 @@ _LEASE_PREFIX = secrets.token_hex(8)
 _lease_seq = itertools.count(1)
 
 
-class AdmissionController:
+class AdmissionController(BackendWriter):
     """Reserve-or-queue for one model's backends; see the module docstring."""
 
     def __init__(
@@ -117,38 +119,6 @@ class AdmissionController:
     def max_capacity_tokens(self) -> int:
         """Largest known capacity; a backend whose capacity is not known yet counts 0."""
         return max(b.capacity_tokens for b in self.backends)
-
-    def set_capacity(self, backend: Backend, capacity_tokens: int) -> None:
-        """A new capacity applies to the next reservation; live leases stay as they are."""
-        if capacity_tokens < 0:
-            raise ValueError(f"`capacity_tokens` must be >= 0. Given: {capacity_tokens}")
-        backend._capacity_tokens = capacity_tokens
-        self.kick()
-
-    def set_slots(self, backend: Backend, slots: int | None) -> None:
-        """The engine's own concurrency (llama.cpp reports it in /props)."""
-        if slots is not None and slots < 1:
-            raise ValueError(f"`slots` must be >= 1. Given: {slots}")
-        backend._slots = slots
-        self.kick()
-
-    def set_shares_prefixes(self, backend: Backend, shares: bool) -> None:
-        backend._shares_prefixes = shares
-
-    def set_healthy(self, backend: Backend, healthy: bool) -> None:
-        """A backend that becomes healthy may take the queue's head at once."""
-        if healthy == backend._healthy:
-            return
-        backend._healthy = healthy
-        if healthy:
-            self.kick()
-
-    def set_target_factor(self, backend: Backend, factor: float) -> None:
-        """Move the share of capacity new admissions may fill; a looser target wakes
-        the queue, a tighter one holds back the next admissions only."""
-        before, backend._target_factor = backend._target_factor, factor
-        if factor > before:
-            self.kick()
 
     def shortfall_tokens(self, backend: Backend) -> int:
         return sum(lease.shortfall_tokens for lease in self._short.values()

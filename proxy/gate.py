@@ -47,6 +47,7 @@ from proxy.errors import (
     KvgateError,
     RequestTooLarge,
 )
+from proxy.late_count import close_late, count_late, log_resize_failure
 from proxy.ledger import Ledger
 from proxy.metrics import Metrics, Outcome
 from proxy.reservation import (
@@ -277,7 +278,7 @@ class Gate:
     def _release(self, admitted: Admitted, *, completed: bool) -> None:
         try:
             if admitted.late_count is not None:
-                _close_late(admitted.late_count, admitted.record)
+                close_late(admitted.late_count, admitted.record)
             if admitted.progress is not None and self.tracker is not None:
                 self.tracker.finish(admitted.progress, asyncio.get_running_loop().time(),
                                     completed=completed)
@@ -356,14 +357,10 @@ class Gate:
 
     def _keys_may_come_late(self) -> bool:
         """With prefix sharing, whether a request may be admitted on a bound, before its
-        block keys are counted: where they decide nothing then. Placement has no choice
-        (one healthy backend), and nothing is held there that it could join (no shared
-        blocks); it is charged its whole prompt, and its keys, registered once counted
-        (`_settle`), are shared from its answer on. (With Redis "no shared blocks" is
-        as this replica knows it: another's are not joined then, the charge stays
-        whole.) Measured with `bench_peers`
-        (unique prompts, c=1, sharing on against off): 0.71-0.77x counted first,
-        0.96-0.98x on a bound."""
+        block keys are counted: where they decide nothing yet. Placement has no choice
+        (one healthy backend) and nothing is held there to join (no shared blocks: with
+        Redis, as this replica knows it); it is charged its whole prompt, and its keys
+        are registered once counted (`_settle`), shared from its answer on."""
         if not self.admit_on_bound or self.controller.inflight >= _BOUND_MAX_INFLIGHT:
             return False
         healthy = [b for b in self.backends if b.healthy]
@@ -396,26 +393,11 @@ class Gate:
         self.metrics.admitted_on_bound(self.name)
         admitted = self._admitted(lease, demand, output_cap, ask, record)
         admitted.late_count = asyncio.get_running_loop().create_task(
-            self._count_late(rendered, ask.request if keyed else None))
+            count_late(self._counter, rendered, block_tokens=self.config.block_size,
+                       scope=scope_of(self.name, ask.request),
+                       keyed=ask.request if keyed else None))
         admitted.settle = functools.partial(self._settle, ask)
         return admitted
-
-    async def _count_late(self, rendered: RenderedChat, keyed: ValidRequest | None
-                          ) -> tuple[int, float, tuple[str, ...]]:
-        """The exact count of a request admitted on a bound, and its block keys where
-        prefixes are shared (`keyed`: its request; the keys need its ids)."""
-        # Created before the forward, so first in the loop's queue: step aside once, and
-        # aiohttp's body-writing task (created as the forward sends its headers) runs
-        # first; the request is on the wire while this counts.
-        await asyncio.sleep(0)
-        t0 = time.perf_counter()
-        if keyed is not None:
-            counted = await counted_with_blocks(self._counter, keyed, self.config.block_size,
-                                                scope_of(self.name, keyed))
-            if counted is not None:
-                return counted[0], time.perf_counter() - t0, counted[1]
-        tokens = await self._counter.count_rendered_async(rendered)
-        return tokens, time.perf_counter() - t0, ()
 
     async def _settle(self, ask: Ask, admitted: Admitted) -> None:
         """The exact count of a request admitted on a bound: into the record, the metrics
@@ -446,7 +428,7 @@ class Gate:
             self.metrics.shared_prefix(lease.backend.name, 0)
         if demand.tokens != lease.tokens:
             resize = asyncio.ensure_future(self.controller.resize(lease, demand.tokens))
-            resize.add_done_callback(_log_resize_failure)
+            resize.add_done_callback(log_resize_failure)
 
     # ------------------------------------------------------------------ following
     async def follow_engines(
@@ -477,21 +459,6 @@ def _nonempty(counts: list[int]) -> list[int]:
                 f"`{where}` is empty: 0 tokens after tokenization, and an engine cannot "
                 "generate from an empty prompt", param=where)
     return counts
-
-
-def _log_resize_failure(task: asyncio.Future[int]) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        _log.warning("a lease's resize to its exact count failed: %s", exc)
-
-
-def _close_late(task: asyncio.Task[tuple[int, float, tuple[str, ...]]], record: Record) -> None:
-    """On every way out: a count still running (the reply never began: upstream error,
-    client gone) is stopped; a finished one is read, so its outcome is never left
-    unretrieved, and its count goes to the log line."""
-    if not task.done():
-        task.cancel()
-    elif not task.cancelled() and task.exception() is None:
-        record.prompt_tokens = task.result()[0]
 
 
 def controller_for(
