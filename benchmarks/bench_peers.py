@@ -1,6 +1,8 @@
 """kvgate next to its peers: direct, a minimal aiohttp pass-through proxy, and kvgate.
 
-Three targets in one run, interleaved cell by cell so machine noise hits all of them:
+Three targets in one run, interleaved cell by cell so machine noise hits all of them
+(each cell's rounds alternate the order of the targets, ABBA, so a target's place in
+the round does not pass for its speed):
 
 * `direct`: a zero-delay OpenAI-compatible mock (answers at once; streams
   `max_tokens` SSE chunks back to back);
@@ -25,6 +27,7 @@ requests and in time.
     .venv/bin/python -m benchmarks.bench_peers --baseline /tmp/kvgate-main  # a 2nd checkout
     .venv/bin/python -m benchmarks.bench_peers --kvgate-env KVGATE_FAST_BPE=0
     .venv/bin/python -m benchmarks.bench_peers --profile kvgate.svg   # py-spy, if installed
+    .venv/bin/python -m benchmarks.bench_peers --modes stream --concurrency 16  # one cell
     .venv/bin/python -m benchmarks.bench_peers --engine vllm --concurrency 1 4 8 \\
         --requests 48 --max-tokens 32   # direct: one vLLM CPU server (a few minutes)
 """
