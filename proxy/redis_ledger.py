@@ -346,11 +346,7 @@ class RedisLedger:
             )
         except REDIS_ERRORS as exc:
             # The lease keeps its recorded size; the request itself goes on.
-            if unreachable(exc):
-                self._upkeep.set_reachable(False, exc)
-            else:
-                self._upkeep.say_refused("resize", backend, lease_id, exc,
-                                         "the lease keeps its size")
+            self._failed("resize", backend, lease_id, exc, "the lease keeps its size")
             return live.tokens
         self._upkeep.set_reachable(True)
         granted = int(result[0])
@@ -387,11 +383,7 @@ class RedisLedger:
             # Either way the lease stays registered as it was (a script that ran and
             # lost its reply left Redis charging the same tokens, resident unchanged);
             # this replica's view keeps it unshared, and its release drops what it holds.
-            if unreachable(exc):
-                self._upkeep.set_reachable(False, exc)
-            else:
-                self._upkeep.say_refused("attach", backend, lease_id, exc,
-                                         "the lease stays charged in full")
+            self._failed("attach", backend, lease_id, exc, "the lease stays charged in full")
             return 0
         self._upkeep.set_reachable(True)
         n = int(result[0])
@@ -412,6 +404,14 @@ class RedisLedger:
         live.block_tokens = block_tokens
         self._block_tokens[backend] = block_tokens
         return n
+
+    def _failed(self, op: str, backend: str, lease_id: str, exc: Exception, what: str) -> None:
+        """A script that failed on a live lease, which goes on as `what` says: Redis
+        unreachable, or an error reply (logged)."""
+        if unreachable(exc):
+            self._upkeep.set_reachable(False, exc)
+        else:
+            self._upkeep.say_refused(op, backend, lease_id, exc, what)
 
     def release(self, lease_id: str) -> None:
         live = self._live.pop(lease_id, None)

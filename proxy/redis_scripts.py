@@ -142,6 +142,18 @@ local function key_at(list, at, i)
   local s = at + 16 * i - 15
   return string.sub(list, s, s + 15)
 end
+-- keys `first`..`last` of `ks` registered new: one pin each (its child, the last its
+-- lease's)
+local function pin_new(ks, first, last)
+  for c = first, last, CHUNK do
+    local pairs_ = {}
+    for j = c, math.min(c + CHUNK - 1, last) do
+      pairs_[#pairs_ + 1] = key_at(ks, 0, j)
+      pairs_[#pairs_ + 1] = 1
+    end
+    redis.call('HSET', KEYS[4], unpack(pairs_))
+  end
+end
 -- drop a lease: its own tokens and the blocks only it held; -> tokens freed, or false
 -- for an unknown lease. Its last key loses its pin; where that was its last, the key
 -- goes, and so does each key before it whose one pin was the key after it (its only
@@ -314,16 +326,8 @@ if nrefs > 0 then
              '=bt', bt)
   wide(KEYS[4])
   if nrefs > joined then
-    -- the new keys: one pin each (its child, the last its lease's); the joined run's
-    -- last key gains a child
-    for c = joined + 1, nrefs, CHUNK do
-      local pairs_ = {}
-      for j = c, math.min(c + CHUNK - 1, nrefs) do
-        pairs_[#pairs_ + 1] = key_at(ks, 0, j)
-        pairs_[#pairs_ + 1] = 1
-      end
-      redis.call('HSET', KEYS[4], unpack(pairs_))
-    end
+    -- the new keys, pinned; the joined run's last key gains a child
+    pin_new(ks, joined + 1, nrefs)
     if joined > 0 then redis.call('HINCRBY', KEYS[4], key_at(ks, 0, joined), 1) end
   else
     redis.call('HINCRBY', KEYS[4], key_at(ks, 0, nrefs), 1)  -- its run ends there
@@ -349,14 +353,7 @@ local m = #ks / 16
 if m == 0 or bt * m > tonumber(own) then return {0} end
 if redis.call('HEXISTS', KEYS[4], key_at(ks, 0, 1)) == 1 then return {0} end
 wide(KEYS[4])
-for c = 1, m, CHUNK do
-  local pairs_ = {}
-  for j = c, math.min(c + CHUNK - 1, m) do
-    pairs_[#pairs_ + 1] = key_at(ks, 0, j)
-    pairs_[#pairs_ + 1] = 1
-  end
-  redis.call('HSET', KEYS[4], unpack(pairs_))
-end
+pin_new(ks, 1, m)
 redis.call('HSET', KEYS[2], '#' .. ARGV[1], ARGV[2] .. '|' .. ks, '=bt', bt)
 redis.call('HINCRBY', KEYS[2], ARGV[1], -bt * m)
 return {m}
