@@ -197,7 +197,7 @@ class Gate:
         # Block keys come with the exact count (in this process, the pool or a count
         # worker), before admission; on a bound only where they lose nothing there.
         sharing = any(b.shares_prefixes for b in self.backends)
-        rendered = self._render(ask) if not sharing or self._keys_may_come_late() else None
+        rendered = self._render(ask) if not sharing or self._keys_may_come_late(req) else None
         if rendered is not None and self._may_admit_on_bound(req, rendered):
             assert rendered.max_tokens is not None
             early = await self._admit_on_bound(ask, record, rendered, rendered.max_tokens,
@@ -355,13 +355,17 @@ class Gate:
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
 
-    def _keys_may_come_late(self) -> bool:
+    def _keys_may_come_late(self, req: ValidRequest) -> bool:
         """With prefix sharing, whether a request may be admitted on a bound, before its
         block keys are counted: where they decide nothing yet. Placement has no choice
         (one healthy backend) and nothing is held there to join (no shared blocks: with
         Redis, as this replica knows it); it is charged its whole prompt, and its keys
-        are registered once counted (`_settle`), shared from its answer on."""
-        if not self.admit_on_bound or self.controller.inflight >= _BOUND_MAX_INFLIGHT:
+        are registered once counted (`_settle`), shared from its answer on. (Checked
+        before the chat is rendered for a bound: a request that cannot take one is
+        rendered once, by the count with keys.)"""
+        if (not self.admit_on_bound or self.controller.inflight >= _BOUND_MAX_INFLIGHT
+                or requested_output(self._kinds, max_tokens=req.max_tokens,
+                                    n_predict=req.n_predict) is None):
             return False
         healthy = [b for b in self.backends if b.healthy]
         return len(healthy) == 1 and self.ledger.shared_resident(healthy[0].name) == 0
