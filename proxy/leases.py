@@ -6,10 +6,10 @@ are written only by the `AdmissionController` that owns it (`proxy.admission`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["Backend", "Demand", "Lease"]
+__all__ = ["Backend", "Demand", "Lease", "sole_healthy"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +92,17 @@ class Backend:
     @property
     def target_tokens(self) -> int:
         return int(self._capacity_tokens * self._target_factor)
+
+
+def sole_healthy(backends: Iterable[Backend]) -> Backend | None:
+    """The one healthy backend, where exactly one is."""
+    sole = None
+    for backend in backends:
+        if backend.healthy:
+            if sole is not None:
+                return None
+            sole = backend
+    return sole
 
 
 class Lease:

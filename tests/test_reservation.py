@@ -617,6 +617,47 @@ def test_leases_that_end_at_different_times_let_admission_fill_what_they_oversta
     asyncio.run(scenario())
 
 
+def test_one_healthy_backend_works_out_the_overlap_credit_only_for_a_demand_it_needs() -> None:
+    """The credit is a walk of a backend's streamed leases. Where one backend is healthy
+    and a demand fits in full without the credit, it changes nothing, so it is not
+    worked out; a demand that fits only with it is admitted through it (the test
+    above); with two healthy backends the credit ranks them, so it is worked out."""
+    async def scenario() -> None:
+        c, tracker = _learnt_controller(600)
+        loop = asyncio.get_running_loop()
+        asked: list[str] = []
+
+        def credit(backend: Backend, demand: Demand | None) -> int:
+            asked.append(backend.name)
+            return tracker.overlap_credit(backend, demand)
+
+        c.overlap_credit = credit
+        chat = Demand(tokens=208, prompt_tokens=100, max_tokens=2048, follow=True)
+        old = [await c.acquire(chat, loop.time()) for _ in range(2)]
+        assert asked == []  # 208 and 416 of 600: they fit as they are
+        for lease in old:
+            tracker.track(_streamed(lease, 96))
+        third = await c.acquire(chat, loop.time() + 0.05)  # 624 > 600: only with 48 credit
+        assert asked and c._ledger.resident("gpu") == 624
+        for lease in [*old, third]:
+            lease.release()
+
+        two = AdmissionController(
+            model="m", ledger=MemoryLedger(), ordering=make_ordering("fifo"),
+            backends=[Backend(name=n, url="http://127.0.0.1:9", capacity_tokens=600)
+                      for n in ("a", "b")])
+        asked.clear()
+        two.overlap_credit = credit
+        (await two.acquire(chat, loop.time())).release()
+        assert sorted(asked) == ["a", "b"]
+        two.set_healthy(two.backends[1], False)
+        asked.clear()
+        (await two.acquire(chat, loop.time())).release()
+        assert asked == []
+
+    asyncio.run(scenario())
+
+
 def test_only_streamed_leases_earn_overlap_credit() -> None:
     """The two chats of the test above 96 tokens in, answered without a stream: their
     progress is a guess from time, so they count at their full size and earn nothing;
