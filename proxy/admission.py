@@ -173,7 +173,8 @@ class AdmissionController(BackendWriter):
         return forecast(self.release_rate,
                         lambda: sum(max(0, r.free_tokens) for r in self.rooms(demand)),
                         [(w.demand.tokens, w.deadline) for w in order], now,
-                        (extra[0].tokens, extra[1]) if extra is not None else None)
+                        (extra[0].tokens, extra[1]) if extra is not None else None,
+                        nobody_passes_after_s=self._starvation_s)
 
     def retry_after_s(self, extra_tokens: int = 0) -> float:
         free = sum(max(0, r.free_tokens) for r in self.rooms())

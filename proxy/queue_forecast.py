@@ -25,11 +25,12 @@ __all__ = ["forecast", "predicted_late"]
 
 def forecast(rate: ReleaseRate, free_tokens: Callable[[], int],
              queue: Iterable[tuple[int, float]], now: float,
-             newcomer: tuple[int, float] | None = None) -> list[tuple[float, bool]] | None:
+             newcomer: tuple[int, float] | None = None, *,
+             nobody_passes_after_s: float = math.inf) -> list[tuple[float, bool]] | None:
     """`predict_waits` over `queue` ((tokens, deadline) in queue order) and `newcomer`
-    behind it, whose wait is stretched by the smaller arrivals that will pass it
-    (`passed_wait_s`); None while the queue's drain rate is unknown. `free_tokens` is
-    read only when it is known (it costs a look at every backend)."""
+    behind it, whose wait is stretched by the smaller arrivals that will pass it until
+    it starves (`passed_wait_s`); None while the queue's drain rate is unknown.
+    `free_tokens` is read only when it is known (it costs a look at every backend)."""
     busy = rate.busy_tokens_per_s()
     if busy is None or busy <= 0:
         return None
@@ -38,7 +39,8 @@ def forecast(rate: ReleaseRate, free_tokens: Callable[[], int],
         waits.append(newcomer)
     predicted = predict_waits(busy, free_tokens(), waits, now)
     if newcomer is not None:
-        wait_s = passed_wait_s(predicted[-1][0], busy, rate.passing_tokens_per_s(newcomer[0]))
+        wait_s = passed_wait_s(predicted[-1][0], busy, rate.passing_tokens_per_s(newcomer[0]),
+                               nobody_passes_after_s=nobody_passes_after_s)
         predicted[-1] = (wait_s, now + wait_s <= newcomer[1])
     return predicted
 

@@ -640,3 +640,33 @@ def test_a_newcomer_that_smaller_arrivals_would_pass_is_refused_at_once() -> Non
         (await asyncio.wait_for(small, 1)).release()
 
     asyncio.run(scenario())
+
+
+def test_smaller_arrivals_pass_a_newcomer_only_until_it_starves() -> None:
+    """Smaller requests join as fast as releases free room (100 tokens/s of 30-token
+    requests, the release rate): in queue order they would pass a 50-token newcomer
+    forever, but once it has waited `starvation_s` (2 s) nobody passes it. It waits
+    2 s + its 0.5 s in queue order: refused at once with 2 s left (Retry-After 2.5 s),
+    queued with 3 s left, and it gets in once the pool frees."""
+    async def scenario() -> None:
+        c, _ = controller(capacity=100, depth=8, starvation_s=2.0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        clock = [t0]
+        busy_releases(c, clock, 100)
+        clock[0] = t0 - 29.0
+        for _ in range(100):
+            c.release_rate.queued(30)
+        clock[0] = t0 + 1.0
+        hog = await c.acquire(demand(100), soon())
+        with pytest.raises(QueueTimeout) as late:
+            await c.acquire(demand(50), loop.time() + 2.0)
+        assert "predicted to wait 2500 ms more for 50 tokens" in late.value.message
+        assert late.value.retry_after_s == pytest.approx(2.5)
+        waiter = asyncio.ensure_future(c.acquire(demand(50), loop.time() + 3.0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # queued, not refused
+        hog.release()
+        (await asyncio.wait_for(waiter, 1)).release()
+
+    asyncio.run(scenario())

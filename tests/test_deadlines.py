@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from proxy.deadlines import passed_wait_s, predict_waits
 from proxy.release_rate import ReleaseRate
 
@@ -27,6 +29,16 @@ def test_smaller_arrivals_that_pass_stretch_a_newcomers_wait() -> None:
     assert passed_wait_s(1.0, 5000.0, 0.0) == 1.0
     assert passed_wait_s(0.0, 5000.0, 6000.0) == 0.0  # room now: nothing passes it
     assert passed_wait_s(0.5, 5000.0, 5000.0) == math.inf  # they take all the room
+
+
+def test_nobody_passes_a_newcomer_that_starves() -> None:
+    # they take all the room for 5 s; then what is ahead (0.5 s at the whole rate) drains
+    assert passed_wait_s(0.5, 5000.0, 5000.0, nobody_passes_after_s=5.0) == 5.5
+    assert passed_wait_s(0.5, 5000.0, 9000.0, nobody_passes_after_s=5.0) == 5.5
+    # half the room for 1 s (0.2 s of the 1 s ahead done), then the rest at full rate
+    assert passed_wait_s(1.0, 5000.0, 4000.0, nobody_passes_after_s=1.0) == pytest.approx(1.8)
+    # starving later than it would start: the bound changes nothing
+    assert passed_wait_s(1.0, 5000.0, 2500.0, nobody_passes_after_s=5.0) == 2.0
 
 
 def test_passing_counts_smaller_arrivals_over_the_whole_window() -> None:

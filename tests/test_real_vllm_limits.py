@@ -275,8 +275,8 @@ def test_adaptive_overload_preempts_at_most_once_in_forty(
     """After WARM_N chats two at a time (kvgate's answer history is then ready, and
     vLLM preempts nothing), 40 chats of the corpus from 16 clients at once (about twice
     what 2,048 tokens hold) through kvgate `adaptive`: vLLM's
-    vllm:num_preemptions_total grows by at most one, every answer is from the contract
-    (200, or kvgate's 429/503 with its code), and every lease is released at the end.
+    vllm:num_preemptions_total grows by at most one, every request is admitted and
+    answered within the contract, and every lease is released at the end.
 
     One, not 1% of 40 (none): `adaptive` holds an answer at its expected length and
     grows the lease as it runs, so in a pool of two contexts an answer that runs long
@@ -310,7 +310,9 @@ def test_adaptive_overload_preempts_at_most_once_in_forty(
     print(f"\n[adaptive] history {history}; admitted {admitted} of {len(results)}, {waited} "
           f"waited in kvgate, vLLM preemptions {preempted}; output lengths {lengths}")
     assert contract_breaches(results) == []
-    assert admitted >= len(results) * 3 // 4, f"only {admitted} admitted"
+    # every one: the run ends within 60 s of a 120 s deadline (a forecast that let the
+    # smaller chats pass the largest forever refused two of them at once)
+    assert admitted == len(results), f"only {admitted} admitted"
     assert preempted <= 1, f"{preempted} preemptions for {admitted} admitted"
     assert held == NOTHING_HELD
     assert vllm.alive()
