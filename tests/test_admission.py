@@ -556,6 +556,17 @@ def busy_releases(c: AdmissionController, clock: list[float], tokens: int) -> No
     c.release_rate.record(tokens)
 
 
+def smaller_arrivals(c: AdmissionController, t0: float, count: int) -> None:
+    """Releases at 100 tokens/s (`busy_releases`) and `count` 30-token requests that
+    joined the queue over the 30 s window before `t0` + 1 s, the clock's time then."""
+    clock = [t0]
+    busy_releases(c, clock, 100)
+    clock[0] = t0 - 29.0  # a whole window seen by the time the newcomers come
+    for _ in range(count):
+        c.release_rate.queued(30)
+    clock[0] = t0 + 1.0
+
+
 def test_a_request_that_cannot_start_in_time_is_refused_at_once() -> None:
     """Releases have run at 100 tokens/s; the pool (100) is full and 150 tokens wait
     ahead with time to spare. A 50-token request with 1 s left would need 2 s: refused
@@ -620,13 +631,7 @@ def test_a_newcomer_that_smaller_arrivals_would_pass_is_refused_at_once() -> Non
     async def scenario() -> None:
         c, _ = controller(capacity=100, depth=8)
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        clock = [t0]
-        busy_releases(c, clock, 100)
-        clock[0] = t0 - 29.0  # a whole window seen by the time the newcomers come
-        for _ in range(75):
-            c.release_rate.queued(30)
-        clock[0] = t0 + 1.0
+        smaller_arrivals(c, loop.time(), 75)
         hog = await c.acquire(demand(100), soon())
         with pytest.raises(QueueTimeout) as late:
             await c.acquire(demand(50), loop.time() + 0.8)
@@ -651,13 +656,7 @@ def test_smaller_arrivals_pass_a_newcomer_only_until_it_starves() -> None:
     async def scenario() -> None:
         c, _ = controller(capacity=100, depth=8, starvation_s=2.0)
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        clock = [t0]
-        busy_releases(c, clock, 100)
-        clock[0] = t0 - 29.0
-        for _ in range(100):
-            c.release_rate.queued(30)
-        clock[0] = t0 + 1.0
+        smaller_arrivals(c, loop.time(), 100)
         hog = await c.acquire(demand(100), soon())
         with pytest.raises(QueueTimeout) as late:
             await c.acquire(demand(50), loop.time() + 2.0)
