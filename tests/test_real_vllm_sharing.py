@@ -33,6 +33,12 @@ from tests.support.stack import running_stack
 BLOCKS, BLOCK = 257, 32  # 8,192 usable tokens each (vLLM keeps one block as its null block)
 USABLE = (BLOCKS - 1) * BLOCK
 MAX_LEN = 4096
+# A holder's answer must outlast its followers: at 400 tokens (~2.6 s of this engine
+# on an idle machine) one ended before its followers were admitted on a loaded one, its
+# blocks left the ledger and they were charged in full (the engine still hit its cache).
+# Closed by the test long before the end; its lease (~3,100 tokens) leaves the followers
+# room on 8,192 even if none shared.
+HOLDER_TOKENS = 2400
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +91,7 @@ def test_kvgate_predicts_the_engines_prefix_hits_and_nothing_preempts(
             holders = []
             for g in range(2):
                 resp = await s.post(f"{stack.url}/v1/chat/completions",
-                                    json=chat(g, 0, 400, stream=True))
+                                    json=chat(g, 0, HOLDER_TOKENS, stream=True))
                 assert resp.status == 200, await resp.text()
                 await resp.content.readuntil(b"\n\n")  # it has answered: its blocks are ready
                 holders.append(resp)
