@@ -187,7 +187,7 @@ class ReservationTracker:
 
     def overlap_credit(self, backend: Backend, demand: Demand | None) -> int:
         """Tokens by which the leases followed on `backend` (and `demand`, if it
-        follows) overstate the most they will hold at any one time.
+        follows) are charged more than the most they will hold at any one time.
 
         A lease holds what its request will hold at its end: prompt + output so far +
         the expected rest. In the engine each request grows one token a step and lets
@@ -198,12 +198,18 @@ class ReservationTracker:
         still running hold then (sum of (held now + n x r_k) over the leases with
         r >= r_k). Admission may fill the difference.
 
+        With shared prefixes each lease is taken at its charge (less the blocks other
+        leases hold for it), and a lease that ends leaves behind the blocks it brought,
+        for as long as others still use them: those (at most its prompt less what it
+        shared) stay in the peak of every r_k after its end. Taking each lease at its
+        whole prompt instead counts a shared prefix once per lease and left no credit
+        where a 2,048-token system prompt outweighs the rest of every answer.
+
         Only the leases whose rest is predicted from the history count, and only
         streamed ones (their progress is seen, not guessed from time); strict-sized
         leases, those of a cold start or beyond the history, and other replicas'
-        leases count at their full size; so does a demand that may share a prefix
-        on `backend` (what it will be charged is the ledger's to say), and the tokens
-        the counted leases were not charged for shared blocks come off the credit.
+        leases count at their full charge; so does a demand that may share a prefix
+        on `backend` (what it will be charged is the ledger's to say).
 
         Measured in the suite's S2 (Azure conversation, 2x), the engines held 80-90%
         of the pool while kvgate's leases filled it; with this credit 99 and 102 of
@@ -214,38 +220,45 @@ class ReservationTracker:
             return 0
         # One pass in plain locals (at 64 streamed leases on a backend: 46 -> 33 us an
         # admission; it runs once per backend per admission, ~3% of the loop at 64).
-        ends: list[tuple[int, int, int]] = []  # (expected rest per choice, held now, n)
-        total = shared = 0
+        # (expected rest per choice, charged and held now, n, blocks it may leave behind)
+        ends: list[tuple[int, int, int, int]] = []
+        total = left_behind = 0
+        shares = backend.shares_prefixes
         if demand is not None and demand.follow and not (
-                demand.blocks and backend.shares_prefixes) and not self.beyond_history(
+                demand.blocks and shares) and not self.beyond_history(
                 demand.prompt_tokens):
             rest = max(0, demand.tokens // demand.n - demand.prompt_tokens)
-            ends.append((rest, demand.tokens - demand.n * rest, demand.n))
+            own = demand.prompt_tokens if shares else 0
+            ends.append((rest, demand.tokens - demand.n * rest, demand.n, own))
             total += demand.tokens
+            left_behind += own
         append = ends.append
         for p in self._overlapping.get(backend.name, {}).values():
             lease = p.lease
             if lease.released:
                 continue
-            n, tokens = p.n, lease.tokens
+            n, tokens, shared = p.n, lease.tokens, lease.shared_tokens
             rest = tokens // n - p.prompt_tokens - p.streamed_tokens()
             if rest < 0:
                 rest = 0
-            append((rest, tokens - n * rest, n))
-            total += tokens
-            shared += lease.shared_tokens
+            own = p.prompt_tokens - shared if shares and p.prompt_tokens > shared else 0
+            append((rest, tokens - shared - n * rest, n, own))
+            total += tokens - shared
+            left_behind += own
         if len(ends) < 2:
             return 0
         ends.sort(reverse=True)
         peak = running_held = running_n = 0
-        for rest, held, n in ends:
+        for rest, held, n, own in ends:
             running_held += held
             running_n += n
-            if running_held + running_n * rest > peak:
-                peak = running_held + running_n * rest
+            left_behind -= own  # what the leases ended by r_k may have left behind
+            at = running_held + running_n * rest + left_behind
+            if at > peak:
+                peak = at
         # one block per lease: each holds whole blocks as it grows
         peak += self._block * running_n
-        return max(0, total - peak - shared)
+        return max(0, total - peak)
 
     def lease_tokens(self, *, prompt_tokens: int, max_tokens: int, n: int, min_tokens: int,
                      strict: bool, generated: int = 0) -> int:

@@ -603,9 +603,11 @@ def test_leases_that_end_at_different_times_let_admission_fill_what_they_oversta
         assert tracker.overlap_credit(backend, chat) == 128
         with pytest.raises(QueueTimeout):
             await c.acquire(chat, loop.time() + 0.05)
-        # what a counted lease was not charged for shared blocks is not credited again
+        # what a lease was not charged for shared blocks it does not hold either:
+        # its charge and its peak are both 32 less (on a backend that shares nothing,
+        # nothing is left behind when a lease ends)
         third.shared_tokens = 32
-        assert tracker.overlap_credit(backend, chat) == 96
+        assert tracker.overlap_credit(backend, chat) == 128
         third.shared_tokens = 0
         # a strict-sized lease (it cannot be followed) is held at its size all along
         strict = Demand(tokens=208, prompt_tokens=100, max_tokens=108)
@@ -613,6 +615,53 @@ def test_leases_that_end_at_different_times_let_admission_fill_what_they_oversta
         for lease in [*old, third]:
             lease.release()
         assert tracker.overlap_credit(backend, None) == 0
+
+    asyncio.run(scenario())
+
+
+def test_leases_that_share_a_prefix_earn_overlap_credit_on_their_charges() -> None:
+    """On a backend that caches prefixes, a holder 96 tokens into its 100-token answer
+    (208 charged, 196 held, 12 steps left) and three chats that share its six prompt
+    blocks (96 tokens), none started: each charged 208 - 96 = 112, holding 4 of its
+    own now, 108 steps left. When the holder ends, its blocks stay with the three:
+    at 108 steps they hold 3 x (4 + 108) plus the holder's prompt (100, all it may
+    have left behind) = 436; at 12 steps 4 x 12 + 196 + 12 = 256. Peak 436 + a block
+    each (64) = 500 of 544 charged: 44 tokens of credit (without what the holder
+    leaves behind, 144: too much; taking each lease at its whole prompt, as before,
+    none). A 620-token pool then admits a fourth chat of the prefix (656 resident)
+    only through the credit, and refuses a fifth."""
+    async def scenario() -> None:
+        c, tracker = _learnt_controller(620)
+        backend = c.backends[0]
+        c.set_shares_prefixes(backend, True)
+        loop = asyncio.get_running_loop()
+        blocks = tuple(f"prefix-{i}" for i in range(6))
+        chat = Demand(tokens=208, prompt_tokens=100, max_tokens=2048, follow=True,
+                      blocks=blocks, block_tokens=16)
+        holder = await c.acquire(chat, loop.time())
+        c._ledger.mark_ready(holder.lease_id)  # answered: its blocks are cached
+        tracker.track(_streamed(holder, 96))
+        sharers = [await c.acquire(chat, loop.time()) for _ in range(3)]
+        assert [lease.shared_tokens for lease in sharers] == [96, 96, 96]
+        for lease in sharers:
+            tracker.track(_streamed(lease, 0))
+        assert c._ledger.resident("gpu") == 208 + 3 * 112 == 544
+        assert tracker.overlap_credit(backend, None) == 44
+        assert tracker.overlap_credit(backend, chat) == 44  # it may share: full charge
+        fourth = await c.acquire(chat, loop.time() + 0.05)  # 656 > 620: 44 of credit
+        assert fourth.shared_tokens == 96 and c._ledger.resident("gpu") == 656
+        tracker.track(_streamed(fourth, 0))
+        # 16 + 4 x 108 + 100 = 548 at 108 steps, + 80: 28 of credit; 768 > 648
+        assert tracker.overlap_credit(backend, chat) == 28
+        with pytest.raises(QueueTimeout):
+            await c.acquire(chat, loop.time() + 0.05)
+        # where the engine shares nothing, an ended lease leaves nothing behind: the
+        # peak is 100 less (16 + 4 x 108 + 80)
+        c.set_shares_prefixes(backend, False)
+        assert tracker.overlap_credit(backend, None) == 656 - (16 + 4 * 108 + 80) == 128
+        for lease in [holder, *sharers, fourth]:
+            lease.release()
+        assert c._ledger.resident("gpu") == 0
 
     asyncio.run(scenario())
 
