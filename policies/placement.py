@@ -15,19 +15,30 @@ the unit kvgate admits in.
 
 When the backends that hold most of a prefix are full, a request whose prefix is at
 least `STICKY_SHARE` of it (`worth_waiting_for`) waits for room there rather than take
-a backend that is not clearly less loaded (by `PREFIX_IMBALANCE` of its pool, now):
-there it would be computed and held a
-second time, for one request, while the room it took would have served several of
-that backend's own. It goes anywhere with room once it has waited a third of its time
-to the deadline (`proxy.waiting_room.SPILL_AFTER`), so no backend idles while it waits.
+a backend that is not idle (less than `IDLE_FILL` full, and `PREFIX_IMBALANCE` of its
+pool less than the homes, now): there it would be computed and held a second time,
+and the copy stays, a second home, for as long as the group keeps coming, while the
+room it takes would have served several of that backend's own. (With any backend
+`PREFIX_IMBALANCE` less loaded taking copies, a G run made 20 copies of 8 groups,
+most while the backends filled at different speeds in its first seconds.) It goes
+anywhere with room once it has waited a third of its time to the deadline
+(`proxy.waiting_room.SPILL_AFTER`), so no backend idles while it waits.
 As SGLang's router sends to the busy worker that matches and lets it queue.
 
-A prefix held nowhere yet is seeded by rendezvous hashing of its opening
-(`seed_score`) among the backends not much fuller than the least filled: every
-request that opens alike, from every replica, goes to the same backend, so a group's
-first requests do not each seed a copy on another backend (best-fit put every
-group's first requests on the first backend with room, and each group ended up held
-on three or four of them).
+A prefix held nowhere yet (no lease there has answered with it) goes where a live
+lease already brings it, if it fits there (`Seeding.held`): its engine computes it
+first, and the requests after it hit. Else it is seeded by rendezvous hashing of its
+opening (`seed_score`) among the backends not much fuller than the least filled
+and holding at most half a demand more in prefix blocks than the lightest of those
+(`Seeding.spanned_tokens`). Rendezvous alone: every request that opens alike, from
+every replica, goes to the same backend, so a group's first requests do not each
+seed a copy on another backend (best-fit put every group's first requests on the
+first backend with room, and each group ended up held on three or four of them).
+Rendezvous among the lightest: hashing 8 groups onto 4 backends gave them 3, 2, 2
+and 1 homes, and the lightest backend then drew copies of the others' groups. A
+request that finds its prefix's first lease still computing it must not seed again:
+in G's first second, 12 of 20 copies came from requests that went where the load
+was lighter while their group's first request was still in prefill.
 """
 
 from __future__ import annotations
@@ -38,12 +49,16 @@ from enum import StrEnum
 from functools import lru_cache
 from hashlib import blake2b
 
-__all__ = ["PREFIX_IMBALANCE", "STICKY_SHARE", "BackendRoom", "PlacementName", "rank_backends",
-           "worth_waiting_for"]
+__all__ = ["IDLE_FILL", "PREFIX_IMBALANCE", "STICKY_SHARE", "BackendRoom", "PlacementName",
+           "Seeding", "rank_backends", "worth_waiting_for"]
 
 # fill (resident / admission room) a prefix-holding backend may run ahead of the least
 # filled backend that fits and still be preferred
 PREFIX_IMBALANCE = 0.25
+# below this fill a backend is idle enough for a copy of a prefix whose homes are full
+# (where it is also PREFIX_IMBALANCE less filled than they): busier, its own arrivals
+# will fill it, while the copy would be held there for as long as its group comes
+IDLE_FILL = 0.5
 # share of a demand a backend must hold as its prefix (ready or cached) for the demand to
 # wait for that backend rather than go to one that is not clearly less loaded
 STICKY_SHARE = 1 / 3
@@ -54,6 +69,18 @@ class PlacementName(StrEnum):
     LEAST_RESIDENT = "least-resident"  # spread load evenly
 
 
+@dataclass(frozen=True, slots=True)
+class Seeding:
+    """What seeds a new prefix on a backend: the demand's seed key (its opening,
+    `proxy.prefix_view.PrefixView.seed_key`; empty: no seeding), whether a live lease
+    there holds that key (answered or not yet), and the tokens its live leases' prefix
+    blocks span there (each block once: the prefixes it is home to)."""
+
+    key: str = ""
+    held: bool = False
+    spanned_tokens: int = 0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BackendRoom:
     name: str
@@ -61,7 +88,7 @@ class BackendRoom:
     resident_tokens: int
     shared_tokens: int = 0  # of the demand, held there in ready shared blocks: not charged
     cached_tokens: int = 0  # more of its prefix, probably still in the engine's cache there
-    seed_key: str = ""  # the key a new prefix of the demand is seeded by (`seed_score`)
+    seeding: Seeding = Seeding()  # how a new prefix of the demand is seeded (`Seeding`)
 
     @property
     def free_tokens(self) -> int:
@@ -79,7 +106,7 @@ class BackendRoom:
     @property
     def seed(self) -> int:
         """The demand's rendezvous score here: asked only when placement needs it."""
-        return seed_score(self.seed_key, self.name) if self.seed_key else 0
+        return seed_score(self.seeding.key, self.name) if self.seeding.key else 0
 
     @property
     def fill(self) -> float:
@@ -107,9 +134,9 @@ def rank_backends(
     least = min(b.fill_after(demand_tokens) for b in fitting)
     near = [b for b in fitting if b.fill_after(demand_tokens) <= least + PREFIX_IMBALANCE]
     if max(b.prefix_tokens for b in backends) == 0:
-        # a prefix held nowhere: its seed's backend, if it is not much fuller
-        seeded = max(near, key=lambda b: b.seed)
-        if seeded.seed == 0:
+        # a prefix held nowhere: where it is computed now, else its seed's backend
+        seeded = _seeded(fitting, near, demand_tokens)
+        if seeded is None:
             return [b.name for b in fitting]
         return [seeded.name] + [b.name for b in fitting if b is not seeded]
     sticky = [b for b in near if b.prefix_tokens > 0]
@@ -119,8 +146,22 @@ def rank_backends(
     if homes and not any(b in fitting for b in homes):
         home_fill = min(b.fill for b in homes)  # loaded now: the least loaded home
         rest = [b for b in rest if b.prefix_tokens * 2 >= homes[0].prefix_tokens
-                or b.fill + PREFIX_IMBALANCE <= home_fill]
+                or (b.fill + PREFIX_IMBALANCE <= home_fill and b.fill < IDLE_FILL)]
     return [b.name for b in sticky + rest]
+
+
+def _seeded(fitting: list[BackendRoom], near: list[BackendRoom],
+            demand_tokens: int) -> BackendRoom | None:
+    """Where a prefix held nowhere goes (module docstring); None: no seed key."""
+    bringing = [b for b in fitting if b.seeding.held]
+    if bringing:
+        return min(bringing, key=lambda b: b.fill_after(demand_tokens))
+    keyed = [b for b in near if b.seeding.key]
+    if not keyed:
+        return None
+    lightest = min(b.seeding.spanned_tokens for b in keyed)
+    return max((b for b in keyed if b.seeding.spanned_tokens <= lightest + demand_tokens // 2),
+               key=lambda b: b.seed)
 
 
 def worth_waiting_for(backends: Sequence[BackendRoom], demand_tokens: int) -> list[BackendRoom]:

@@ -161,7 +161,7 @@ class AdmissionController(BackendWriter):
                 name=b.name, capacity_tokens=self._admission_room(b, demand),
                 resident_tokens=self._ledger.resident(b.name), shared_tokens=shared,
                 cached_tokens=cached,
-                seed_key=seed if seed and b.shares_prefixes else ""))
+                seeding=self.prefixes.seeding(b, seed)))
         return rooms
 
     def _predicted(self, order: list[Waiter], now: float,

@@ -103,6 +103,11 @@ class Ledger(Protocol):
         knows it): the prefix a lease placed there would not be charged for."""
         ...
 
+    def holds(self, backend: str, key: str) -> bool:
+        """Whether a live lease on `backend` references block `key`, answered or not (as
+        this replica knows it): where a new prefix is being computed now."""
+        ...
+
     def resident(self, backend: str) -> int:
         """Tokens reserved on `backend` as this replica last knew it."""
         ...
@@ -314,6 +319,10 @@ class MemoryLedger:
                 break
             n += 1
         return n
+
+    def holds(self, backend: str, key: str) -> bool:
+        table = self._blocks.get(backend)
+        return table is not None and key in table.count
 
     def resident(self, backend: str) -> int:
         return self._resident.get(backend, 0)

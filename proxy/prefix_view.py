@@ -43,6 +43,7 @@ remembered: a key's position in it would not be unique.
 
 from __future__ import annotations
 
+from policies.placement import Seeding
 from proxy.leases import Backend, Demand, Lease
 from proxy.ledger import Ledger
 from proxy.recent_blocks import RecentBlocks
@@ -122,6 +123,14 @@ class PrefixView:
         if demand is None or not demand.blocks:
             return None
         return demand.blocks[min(len(demand.blocks), SEED_TOKENS // demand.block_tokens or 1) - 1]
+
+    def seeding(self, backend: Backend, key: str | None) -> Seeding:
+        """How a demand whose seed key is `key` would be seeded on `backend`
+        (`policies.placement.Seeding`); nothing where it shares no prefixes."""
+        if not key or not backend.shares_prefixes:
+            return Seeding()
+        return Seeding(key, self._ledger.holds(backend.name, key),
+                       self._ledger.shared_resident(backend.name))
 
     def _scan(self, backend: str, blocks: tuple[str, ...],
               block_tokens: int) -> tuple[int, int]:

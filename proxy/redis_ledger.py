@@ -448,6 +448,11 @@ class RedisLedger:
         ready = self._local_ready.get(backend)
         return leading_run(blocks, ready) if ready else 0
 
+    def holds(self, backend: str, key: str) -> bool:
+        """This replica's view, as `ready_blocks`."""
+        pins = self._local_refs.get(backend)
+        return pins is not None and key in pins
+
     def shared_resident(self, backend: str) -> int:
         """This replica's view: blocks its own live leases reference."""
         pins = self._local_refs.get(backend)

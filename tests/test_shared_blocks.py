@@ -742,6 +742,58 @@ def seeded_on(backend: str, backends: list[str], blocks: int) -> list[str]:
     raise AssertionError("unreachable")
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_requests_that_bring_a_prefix_still_in_prefill_follow_it_there(
+    kind: str, request: pytest.FixtureRequest,
+) -> None:
+    """A's prefix is seeded on b0 and A has not answered yet: nothing is ready anywhere.
+    B brings the same prefix; by load alone it would go to b1 (b0 at 33%, b1 empty, and
+    the least-resident policy), and by seeding too (b0 is more than 25% of its pool
+    fuller after B). It goes to b0, where its engine will hit A's blocks, and is
+    charged in full there (they are not ready). With b1 as loaded by a prompt that
+    shares nothing, C, a new prefix whose rendezvous picks b0, is seeded on b1: b0 is
+    home to A's prefix, b1 to none."""
+    prefix = seeded_on("b0", ["b0", "b1"], 40)  # its seed block (the 32nd) is in it
+    other = next(p for p in ([key(g, i) for i in range(40)] for g in itertools.count(2000))
+                 if max(("b0", "b1"), key=lambda b, p=p: seed_score(p[31], b)) == "b0")
+    # (C's rendezvous alone would pick b0 as well)
+
+    async def scenario() -> None:
+        ledger: Ledger
+        if kind == "memory":
+            ledger = MemoryLedger()
+        else:
+            server = request.getfixturevalue("redis_server")
+            ledger = RedisLedger(server.url, backends=["b0", "b1"], key_prefix="pf",
+                                 recovery_window_s=0)
+        await ledger.start()
+        try:
+            c = sharing_controller(ledger, [3000, 3000],
+                                   placement=PlacementName.LEAST_RESIDENT)
+            a = await c.try_acquire(prefixed(1000, prefix))
+            assert a is not None and a.backend.name == "b0"
+            b = await c.try_acquire(prefixed(1000, [*prefix, key(8, 0)]))
+            assert b is not None
+            assert (b.backend.name, b.shared_tokens) == ("b0", 0)
+            assert ledger.resident("b0") == 2000
+            filler = await c.try_acquire(demand_plain(2000))
+            assert filler is not None and filler.backend.name == "b1"
+            cc = await c.try_acquire(prefixed(700, other))
+            assert cc is not None and cc.backend.name == "b1"
+            a.answered()
+            for held in (a, b, filler, cc):
+                held.release()
+            if isinstance(ledger, RedisLedger):
+                await ledger.drain()
+                assert [await ledger.resident_now(n) for n in ("b0", "b1")] == [0, 0]
+            assert [ledger.resident(n) for n in ("b0", "b1")] == [0, 0]
+            assert not ledger.holds("b0", prefix[-1])
+        finally:
+            await ledger.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_waiter_holds_out_for_its_prefix_s_backend_and_takes_it_when_room_opens() -> None:
     """b0 holds W's 320-token prefix ready but is full (95%); b1 could take W whole and
     is not clearly less loaded (75%). W waits rather than hold a second copy on b1, and takes

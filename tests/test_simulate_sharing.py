@@ -5,7 +5,14 @@ from __future__ import annotations
 import random
 
 from policies.engines import PrefixSharing
-from policies.placement import STICKY_SHARE, BackendRoom, PlacementName, rank_backends, seed_score
+from policies.placement import (
+    STICKY_SHARE,
+    BackendRoom,
+    PlacementName,
+    Seeding,
+    rank_backends,
+    seed_score,
+)
 from policies.reservation import ReservationMode
 from proxy.config import QueueConfig
 from proxy.recent_blocks import RecentBlocks
@@ -85,10 +92,11 @@ def test_placement_is_sticky_to_a_prefix_until_that_backend_is_much_fuller() -> 
 
 
 def _room(name: str, resident: int, *, capacity: int = 1000, shared: int = 0,
-          cached: int = 0, key: str | None = None) -> BackendRoom:
+          cached: int = 0, key: str | None = None, held: bool = False,
+          spanned: int = 0) -> BackendRoom:
     return BackendRoom(name=name, capacity_tokens=capacity, resident_tokens=resident,
                        shared_tokens=shared, cached_tokens=cached,
-                       seed_key=key or "")
+                       seeding=Seeding(key or "", held, spanned))
 
 
 def test_a_prefix_held_nowhere_is_seeded_by_rendezvous_hashing_of_its_opening() -> None:
@@ -112,6 +120,36 @@ def test_a_prefix_held_nowhere_is_seeded_by_rendezvous_hashing_of_its_opening() 
     assert rank_backends(rooms, 300, PlacementName.BEST_FIT)[0] != "a"
 
 
+def test_a_new_prefix_is_seeded_among_the_backends_home_to_the_fewest_prefixes() -> None:
+    names = ["a", "b", "c", "d"]
+    spans = {"a": 4096, "b": 2048, "c": 1000, "d": 600}  # prefix blocks held there
+    firsts = []
+    for i in range(400):
+        k = f"{i:016x}"
+        rooms = [_room(n, 1000, capacity=10_000, key=k, spanned=spans[n]) for n in names]
+        firsts.append(rank_backends(rooms, 2600, PlacementName.BEST_FIT)[0])
+    # within half a demand (1,300 tokens) of the lightest: c and d, by rendezvous
+    assert {n: firsts.count(n) for n in names if firsts.count(n)}.keys() == {"c", "d"}
+    assert all(140 <= firsts.count(n) <= 260 for n in ("c", "d")), firsts.count("c")
+    # a smaller demand's half is smaller: d alone
+    rooms = [_room(n, 1000, capacity=10_000, key="00", spanned=spans[n]) for n in names]
+    assert rank_backends(rooms, 600, PlacementName.BEST_FIT)[0] == "d"
+
+
+def test_a_prefix_still_being_computed_draws_the_requests_that_bring_it() -> None:
+    # "a" holds the demand's seed block through a lease that has not answered yet: no
+    # prefix ready or cached anywhere, and "a" is much fuller than "b" (60% against 0%)
+    rooms = [_room("a", 600, key="k", held=True), _room("b", 0, key="k")]
+    assert rank_backends(rooms, 300, PlacementName.LEAST_RESIDENT) == ["a", "b"]
+    # of two that bring it, the one less filled after it
+    rooms = [_room("a", 600, key="k", held=True), _room("b", 0, key="k"),
+             _room("c", 500, key="k", held=True)]
+    assert rank_backends(rooms, 300, PlacementName.BEST_FIT)[0] == "c"
+    # where it does not fit, it is seeded as if held nowhere: among the others
+    rooms = [_room("a", 800, key="k", held=True), _room("b", 0, key="k")]
+    assert rank_backends(rooms, 300, PlacementName.BEST_FIT) == ["b"]
+
+
 def test_a_demand_waits_for_the_backend_that_holds_its_prefix_unless_another_is_emptier(
 ) -> None:
     # "h" holds 300 of the demand's 400 tokens ready but is full (95%); "o" fits it
@@ -121,9 +159,13 @@ def test_a_demand_waits_for_the_backend_that_holds_its_prefix_unless_another_is_
     assert rank_backends([home, other], 400, PlacementName.BEST_FIT) == []
     # ... unless it may spill (it has waited long enough)
     assert rank_backends([home, other], 400, PlacementName.BEST_FIT, spill=True) == ["o"]
-    # or the other backend is clearly less loaded: 70% against 95%
-    assert rank_backends([home, _room("o", 1400, capacity=2000)], 400,
+    # or the other backend is idle: less than half full, and 25% of its pool below "h"
+    assert rank_backends([home, _room("o", 980, capacity=2000)], 400,
                          PlacementName.BEST_FIT) == ["o"]
+    # 70% against 95% is less loaded, but busy with its own: a copy there would hold the
+    # prefix twice for as long as the group keeps coming
+    assert rank_backends([home, _room("o", 1400, capacity=2000)], 400,
+                         PlacementName.BEST_FIT) == []
     # a prefix probably still cached there holds it back the same way
     cached_home = _room("h", 950, cached=300)
     assert rank_backends([cached_home, other], 400, PlacementName.BEST_FIT) == []
