@@ -146,7 +146,7 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
     refusal's Retry-After."""
     params = scenario.params or params
     targets = scenario.targets if targets is None else targets
-    prefix = scenario.key in ("G", "Gz")
+    prefix = scenario.key in ("G", "Gz", "M")
     sections = [f"## {scenario.key}: {scenario.title}\n\n{len(scenario.specs)} requests "
                 f"arriving over {limits.duration_s:.0f} s; hard stop at "
                 f"{limits.hard_stop_s:.0f} s. kvgate ordering: "
@@ -472,7 +472,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         scenarios, header = plan_scenarios(duration, params, wanted, args.s4_orderings,
                                            args.starvation_s, builder.group_overhead,
-                                           args.prefix_calibration)
+                                           args.prefix_calibration,
+                                           user_overhead=builder.user_overhead)
         if args.orderings:
             scenarios = [s if s.key == "S4" else dataclasses.replace(s, orderings=args.orderings)
                          for s in scenarios]

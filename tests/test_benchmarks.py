@@ -39,6 +39,8 @@ from benchmarks.suite.workloads import (
     group_prompts,
     hol_mix,
     load_azure,
+    load_mooncake,
+    mooncake_conversations,
     replay,
     synthetic_mix,
 )
@@ -122,6 +124,60 @@ def test_group_prompts_share_exactly_the_system_prompt() -> None:
     assert share[0] > 0.35 and max(share[1:]) < 0.25  # one hot group
     flat = [sum(s.group == g for s in uniform) / len(uniform) for g in range(8)]
     assert max(flat) < 0.2
+
+
+def test_mooncake_conversations_keep_whole_conversations_and_their_shared_prefixes() -> None:
+    """M: every turn of a conversation taken comes with it; equal leading block ids give
+    byte-identical prompt text, one id's text never differs; every prompt exactly its
+    scaled, clipped token count; arrivals compressed into the window in order."""
+    counter = load_counter(QWEN)
+    builder = PromptBuilder(counter)
+    rows = load_mooncake("mooncake_conversation_slice.jsonl")
+    assert len(rows) == 1750 and max(r.offset_s for r in rows) < 600
+    kw = {"window_s": 600.0, "duration_s": 20.0, "block_tokens": 64,
+          "prompt_overhead": builder.user_overhead, "max_prompt": 6000, "max_output": 1000}
+    specs = mooncake_conversations(rows, count=120, **kw)  # type: ignore[arg-type]
+    assert specs == mooncake_conversations(rows, count=120, **kw)  # type: ignore[arg-type]
+    assert 120 <= len(specs) < 200
+    assert [s.arrival_s for s in specs] == sorted(s.arrival_s for s in specs)
+    assert specs[0].arrival_s >= 0 and specs[-1].arrival_s < 20.0
+    # whole conversations: every window row with a taken conversation's key is taken
+    taken = {s.blocks[1] for s in specs if len(s.blocks) > 1}
+    window_rows = [r for r in rows if len(r.hash_ids) > 1 and r.hash_ids[1] in taken]
+    assert len(window_rows) == sum(1 for s in specs if len(s.blocks) > 1)
+    text_of: dict[int, str] = {}
+    for spec in specs[:60]:
+        row = rows[spec.uid]
+        content = min(row.prompt_tokens * 64 // 512, 6000 - builder.user_overhead)
+        assert spec.prompt_tokens == content + builder.user_overhead
+        assert spec.blocks == row.hash_ids[:-(-content // 64)]
+        assert spec.output_tokens == min(row.output_tokens, 1000)
+        (message,) = builder.body(spec, behaviour=Behaviour.NONE)["messages"]
+        assert counter.count_chat(ChatRequest(messages=[message])) == spec.prompt_tokens
+        text = message["content"]
+        words = text.split(" ")[1:]
+        for i, block in enumerate(spec.blocks):  # a block's text: its 64 words, or fewer
+            piece = " ".join(words[64 * i:64 * (i + 1)])
+            known = text_of.setdefault(block, piece)
+            assert known.startswith(piece) or piece.startswith(known)
+            if len(piece.split(" ")) == 64:
+                text_of[block] = piece
+    # two turns of one conversation: the later one opens with the earlier one's text
+    by_conv: dict[int, list[str]] = {}
+    for spec in specs[:60]:
+        if len(spec.blocks) > 2:
+            body = builder.body(spec, behaviour=Behaviour.NONE)
+            by_conv.setdefault(spec.blocks[1], []).append(body["messages"][0]["content"])
+    pairs = [texts for texts in by_conv.values() if len(texts) > 1]
+    assert pairs
+    for texts in pairs:
+        first, later = texts[0], texts[1]
+        common = 0
+        for a, b in zip(first.split(" "), later.split(" "), strict=False):
+            if a != b:
+                break
+            common += 1
+        assert common >= 2 * 64  # at least the shared block 0 and the conversation's own
 
 
 def test_affinity_ring_hashes_the_leading_text_consistently() -> None:

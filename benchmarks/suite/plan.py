@@ -18,19 +18,24 @@ from benchmarks.suite.workloads import (
     group_prompts,
     hol_mix,
     load_azure,
+    load_mooncake,
+    mooncake_conversations,
     replay,
     synthetic_mix,
 )
 
 HOL_STARVATION_S = 1.0  # below the deadline: a long waiter does reach the head's protection
 MAX_PROMPT, MAX_OUTPUT = 6000, 1000
-SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "B", "G", "Gz", "overhead")
+SCENARIOS = ("S1", "S2", "S2s", "S3", "S4", "B", "G", "Gz", "M", "overhead")
 BURSTY_MAX_OUTPUT = 200  # code completion: short answers
 PREFIX_TARGETS = (Target.DIRECT, Target.DIRECT_TIMEOUT, Target.AFFINITY_TIMEOUT,
                   Target.ADAPTIVE_PREFIX_OFF, Target.ADAPTIVE)
 PREFIX_BACKENDS = 4
 GROUPS, SYSTEM_TOKENS, QUESTION_TOKENS = 8, 2048, 256
 ZIPF_S = 1.2  # Gz: the hot group takes 43% of the requests, the coldest 3.5%
+# M: the Mooncake conversation trace's first MOONCAKE_WINDOW_S seconds, one 512-token
+# block of it MOONCAKE_BLOCK_TOKENS tokens here
+MOONCAKE_WINDOW_S, MOONCAKE_BLOCK_TOKENS = 600.0, 64
 
 
 def rate_for(load: float, specs: list[RequestSpec], params: SimParams,
@@ -80,7 +85,8 @@ def plan_scenarios(duration_s: float, params: SimParams,
                    starvation_s: float | None = None,
                    group_overhead: int = 13,
                    prefix_calibration: str = "shared", max_prompt: int = MAX_PROMPT,
-                   max_output: int = MAX_OUTPUT) -> tuple[list[Scenario], str]:
+                   max_output: int = MAX_OUTPUT,
+                   user_overhead: int = 8) -> tuple[list[Scenario], str]:
     conv = load_azure("azure_llm_2023_conv_slice.csv")
     lengths = replay(conv, rate_per_s=1.0, duration_s=10**6, max_prompt=max_prompt,
                      max_output=max_output)
@@ -123,6 +129,11 @@ def plan_scenarios(duration_s: float, params: SimParams,
         shared, prefix_header = _group_scenarios(conv, duration_s, params, wanted,
                                                  group_overhead, prefix_calibration)
         out += shared
+    if "M" in wanted:
+        mooncake, mooncake_header = _mooncake_scenario(duration_s, params, user_overhead,
+                                                       max_prompt, max_output)
+        out.append(mooncake)
+        prefix_header += mooncake_header
     if starvation_s is not None:
         out = [replace(s, starvation_s=starvation_s) for s in out]
     seqs = ("" if params.max_num_seqs is None
@@ -161,6 +172,64 @@ def _bursty(duration_s: float, params: SimParams, max_prompt: int) -> Scenario:
              f"clipped to {max_prompt:,}), answers lognormal median 60 (mean "
              f"{outputs:.0f}, 8 to {BURSTY_MAX_OUTPUT}), synthetic, seeded")
     return Scenario("B", title, specs)
+
+
+def _mooncake_scenario(duration_s: float, params: SimParams, overhead: int,
+                       max_prompt: int, max_output: int) -> tuple[Scenario, str]:
+    """M: whole conversations of the Mooncake conversation trace, at 2x.
+
+    2x is `rate_for` on every request's whole prompt + output (a prefix-blind pool's
+    footprint, as S1-S4), over all the window's requests at the same scaling; the
+    conversations are then taken until that many requests arrive in the window."""
+    sim = replace(params, prefix_caching=True)
+    rows = load_mooncake("mooncake_conversation_slice.jsonl")
+
+    def draw(count: int) -> list[RequestSpec]:
+        return mooncake_conversations(
+            rows, count=count, window_s=MOONCAKE_WINDOW_S, duration_s=duration_s,
+            block_tokens=MOONCAKE_BLOCK_TOKENS, prompt_overhead=overhead,
+            max_prompt=max_prompt, max_output=max_output)
+
+    every = draw(len(rows))
+    one_x = rate_for(1.0, every, sim, PREFIX_BACKENDS)
+    specs = draw(round(2.0 * one_x * duration_s))
+    reused = _leading_reuse(specs)
+    title = (f"Mooncake conversation trace, whole conversations, 2x ({len(specs)} requests, "
+             f"{len(specs) / duration_s:.2f} req/s)")
+    header = (
+        f"\n\nM: the first {MOONCAKE_WINDOW_S:.0f} s of the Mooncake (FAST'25) conversation "
+        f"trace ({len(rows):,} requests), whole conversations (a conversation: requests "
+        "with the same second block id) taken in a fixed pseudo-random order until the "
+        f"count for 2x is in, time compressed {MOONCAKE_WINDOW_S / duration_s:.0f}x into "
+        f"the window; each 512-token trace block is {MOONCAKE_BLOCK_TOKENS} tokens of "
+        "text here (the same text for the same id; prompts scaled by "
+        f"{MOONCAKE_BLOCK_TOKENS}/512 and clipped to {max_prompt:,} after the template; "
+        f"outputs as recorded, clipped to {max_output:,}: mean prompt "
+        f"{statistics.mean(s.prompt_tokens for s in specs):,.0f}, mean output "
+        f"{statistics.mean(s.output_tokens for s in specs):.0f}); {reused:.0%} of the "
+        "prompt tokens repeat an earlier request's leading blocks. 2x by Little's law on "
+        "the whole prompt + output of every request (a prefix-blind pool); "
+        f"{PREFIX_BACKENDS} backends with prefix caching, as G.")
+    return Scenario("M", title, specs, params=sim, backends=PREFIX_BACKENDS,
+                    targets=PREFIX_TARGETS), header
+
+
+def _leading_reuse(specs: list[RequestSpec]) -> float:
+    """Share of the prompts' block tokens that repeat blocks an earlier request led
+    with: what one engine with an unbounded cache would hit."""
+    seen: set[int] = set()
+    total = hit = 0
+    for s in sorted(specs, key=lambda s: s.arrival_s):
+        left = s.prompt_tokens
+        leading = True
+        for block in s.blocks:
+            n = min(s.block_tokens, left)
+            left -= n
+            total += n
+            leading = leading and block in seen
+            hit += n if leading else 0
+        seen.update(s.blocks)
+    return hit / total if total else 0.0
 
 
 def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,

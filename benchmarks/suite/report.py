@@ -301,7 +301,7 @@ AWARE, BLIND = "kvgate adaptive", "kvgate adaptive-prefix-off"
 
 
 def acceptance(key: str, summaries: list[PrefixSummary]) -> str:
-    """The issue's targets for G and Gz, each stated as met or not, with its figures."""
+    """The issue's targets for G, Gz and M, each stated as met or not, with its figures."""
     by = {s.label: s for s in summaries}
     aware = by.get(AWARE)
     if aware is None:
@@ -325,6 +325,14 @@ def acceptance(key: str, summaries: list[PrefixSummary]) -> str:
                        f"{_share(kv)} ({aware.saturated_share:.0%} of the time saturated)"))
         checks.append(("preemptions <= 1% of admitted", aware.preempted_share <= 0.01,
                        f"{aware.preemptions} of {aware.admitted}"))
+    elif key == "M":
+        ratio(BLIND, 1.2)
+        blind = by.get(BLIND)
+        if blind is not None and blind.ttft_p50 and aware.ttft_p50 is not None:
+            r = aware.ttft_p50 / blind.ttft_p50
+            checks.append(("TTFT p50 of completed <= 0.7x prefix-blind", r <= 0.7,
+                           f"{aware.ttft_p50 * 1000:,.0f} / {blind.ttft_p50 * 1000:,.0f} ms "
+                           f"= {r:.2f}x"))
     else:
         ratio("affinity+timeout", 1.2)
         checks.append(("no backend idle (< 30% KV use) while another rejects",

@@ -14,12 +14,14 @@ length in advance, so only `recorded` hands it over.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from hashlib import blake2b
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,11 @@ class RequestSpec:
     group: int = -1
     system_tokens: int = 0
     uid: int = 0
+    # Trace-prefix workloads (`mooncake_conversations`): the prompt's content is one text
+    # block per id, `block_tokens` tokens each (the last cut to what is left), the same
+    # text for the same id: equal leading ids, byte-identical prefixes.
+    blocks: tuple[int, ...] = ()
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,6 +165,73 @@ while home small large need every think state again part right both group end st
 point case number thing night water side hand head high line order eye life city""".split())
 
 
+MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MooncakeRow:
+    offset_s: float
+    prompt_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...]
+
+
+def load_mooncake(name: str) -> list[MooncakeRow]:
+    """Arrival offsets (the trace's milliseconds), lengths and prefix block ids."""
+    rows = []
+    with (DATA / name).open() as f:
+        for line in f:
+            rec = json.loads(line)
+            rows.append(MooncakeRow(offset_s=rec["timestamp"] / 1000,
+                                    prompt_tokens=int(rec["input_length"]),
+                                    output_tokens=int(rec["output_length"]),
+                                    hash_ids=tuple(rec["hash_ids"])))
+    return rows
+
+
+def _conversation(row: MooncakeRow, i: int) -> str:
+    """A request's conversation, as far as the trace shows it: its second block id
+    (every request opens with the shared block 0; a later turn repeats the earlier
+    turns' blocks, so equal second ids mean the same opening). A one-block prompt is
+    its own."""
+    return f"c{row.hash_ids[1]}" if len(row.hash_ids) > 1 else f"r{i}"
+
+
+def mooncake_conversations(rows: list[MooncakeRow], *, count: int, window_s: float,
+                           duration_s: float, block_tokens: int, prompt_overhead: int,
+                           max_prompt: int, max_output: int) -> list[RequestSpec]:
+    """Whole conversations of the trace's first `window_s`, about `count` requests.
+
+    Conversations are taken in a fixed pseudo-random order (BLAKE2b of their key) until
+    `count` requests are in, so every turn of a conversation taken comes with it and the
+    prefix reuse between turns is kept; time is compressed by `window_s / duration_s`.
+    Lengths are scaled by `block_tokens / MOONCAKE_BLOCK` (one trace block becomes
+    `block_tokens` tokens of text), prompts clipped to `max_prompt` after the chat
+    template (`prompt_overhead` tokens), outputs to `max_output` (not scaled).
+    """
+    window = [(i, r) for i, r in enumerate(rows) if r.offset_s < window_s]
+    by_key: dict[str, list[tuple[int, MooncakeRow]]] = {}
+    for i, r in window:
+        by_key.setdefault(_conversation(r, i), []).append((i, r))
+    order = sorted(by_key, key=lambda k: blake2b(k.encode(), digest_size=8).digest())
+    taken: list[tuple[int, MooncakeRow]] = []
+    for k in order:
+        if len(taken) >= count:
+            break
+        taken += by_key[k]
+    taken.sort()
+    content_max = max_prompt - prompt_overhead
+    out = []
+    for i, r in taken:
+        content = max(1, min(r.prompt_tokens * block_tokens // MOONCAKE_BLOCK, content_max))
+        n_blocks = -(-content // block_tokens)
+        out.append(RequestSpec(arrival_s=r.offset_s * duration_s / window_s, uid=i,
+                               prompt_tokens=content + prompt_overhead,
+                               output_tokens=max(1, min(r.output_tokens, max_output)),
+                               blocks=r.hash_ids[:n_blocks], block_tokens=block_tokens))
+    return out
+
+
 def words_text(seed: str, n: int) -> str:
     """n one-token words, each after a space, drawn from a generator seeded by `seed`."""
     rng = random.Random(seed)
@@ -217,6 +291,8 @@ class PromptBuilder:
         no `sim_output_tokens` (a real engine, where the client ends the answer)."""
         if spec.group >= 0:
             messages = self.group_messages(spec)
+        elif spec.blocks:
+            messages = self.block_messages(spec)
         else:
             messages = self._one_word(spec.prompt_tokens)
         body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": stream}
@@ -237,6 +313,29 @@ class PromptBuilder:
             raise ValueError(f"prompt of {spec.prompt_tokens} tokens leaves no question")
         messages = [{"role": "system", "content": group_text(spec.group, spec.system_tokens)},
                     {"role": "user", "content": words_text(f"question-{spec.uid}", question)}]
+        counted = self._counter.count_chat(ChatRequest(messages=messages))
+        if counted != spec.prompt_tokens:
+            raise AssertionError(f"prompt built for {spec.prompt_tokens} tokens counts {counted}")
+        return messages
+
+    @property
+    def user_overhead(self) -> int:
+        """The chat template's own tokens around one user message."""
+        return self._overhead
+
+    def block_messages(self, spec: RequestSpec) -> list[dict[str, str]]:
+        """One user message of the spec's blocks' texts (`RequestSpec.blocks`), exactly
+        `spec.prompt_tokens` after the template (every one checked)."""
+        content = spec.prompt_tokens - self._overhead
+        parts = []
+        for block in spec.blocks:
+            n = min(spec.block_tokens, content)
+            parts.append(words_text(f"mooncake-block-{block}", n))
+            content -= n
+        if content:
+            raise ValueError(f"{len(spec.blocks)} blocks leave {content} tokens of the "
+                             f"prompt of {spec.prompt_tokens}")
+        messages = [{"role": "user", "content": "".join(parts)}]
         counted = self._counter.count_chat(ChatRequest(messages=messages))
         if counted != spec.prompt_tokens:
             raise AssertionError(f"prompt built for {spec.prompt_tokens} tokens counts {counted}")
