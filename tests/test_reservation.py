@@ -547,7 +547,10 @@ def test_a_fresh_kvgate_admits_every_strict_sized_request_that_fits_at_once() ->
             assert 6 * _strict_tokens(prompt, 650) <= 4096 < 7 * _strict_tokens(prompt, 650)
             assert [status for status, _ in answers] == [200] * 6
             waits = [float(h["x-kvgate-queue-wait-ms"]) for _, h in answers]
-            assert max(waits) < 50, waits  # none waited for another to finish (~2.5 s)
+            # none waited for another to finish (~2.5 s). Not 50 ms: one loaded CI run
+            # saw one of the six wait 149 ms (cause not found; 16 runs since, idle and
+            # with both cores busy, stayed under 50 ms)
+            assert max(waits) < 1000, waits
             await _settled(stack)
 
     asyncio.run(scenario())
