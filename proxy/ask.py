@@ -11,7 +11,6 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -117,7 +116,9 @@ class Admitted:
     progress: Progress | None = None
     # Admitted on an upper bound of the prompt: its exact count, running meanwhile.
     late_count: asyncio.Task[tuple[int, float, tuple[str, ...]]] | None = None
-    settle: Callable[[Admitted], Awaitable[None]] | None = None
+    # ...and its lease shrinking to it, from the moment the count is in: a bound held
+    # until the reply's headers (an engine round trip) kept requests that fit waiting.
+    settling: asyncio.Task[None] | None = None
 
     def on_chunk(self, chunk: bytes) -> None:
         """Each piece of the answer as it passes: the first says the prefill is done."""
@@ -128,7 +129,6 @@ class Admitted:
     async def reply_headers(self) -> dict[str, str]:
         """Awaited by the transport just before the reply's headers leave: a request
         admitted on a bound settles on its exact count first, so they report it."""
-        if self.settle is not None:
-            settle, self.settle = self.settle, None
-            await settle(self)
+        if self.settling is not None:
+            await self.settling
         return self.record.headers()

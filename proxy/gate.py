@@ -18,7 +18,6 @@ lease life, one engine-feedback step and one resize timer.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -277,6 +276,8 @@ class Gate:
 
     def _release(self, admitted: Admitted, *, completed: bool) -> None:
         try:
+            if admitted.settling is not None and not admitted.settling.done():
+                admitted.settling.cancel()  # the reply never began: the lease goes anyway
             if admitted.late_count is not None:
                 close_late(admitted.late_count, admitted.record)
             if admitted.progress is not None and self.tracker is not None:
@@ -396,16 +397,18 @@ class Gate:
         record.reserved_tokens = demand.tokens
         self.metrics.admitted_on_bound(self.name)
         admitted = self._admitted(lease, demand, output_cap, ask, record)
-        admitted.late_count = asyncio.get_running_loop().create_task(
+        loop = asyncio.get_running_loop()
+        admitted.late_count = loop.create_task(
             count_late(self._counter, rendered, block_tokens=self.config.block_size,
                        scope=scope_of(self.name, ask.request),
                        keyed=ask.request if keyed else None))
-        admitted.settle = functools.partial(self._settle, ask)
+        admitted.settling = loop.create_task(self._settle(ask, admitted))
         return admitted
 
     async def _settle(self, ask: Ask, admitted: Admitted) -> None:
         """The exact count of a request admitted on a bound: into the record, the metrics
-        and the tracker; the lease shrinks to it without holding up the reply."""
+        and the tracker; the lease shrinks to it as soon as it is in, without holding up
+        the forward (the reply's headers wait for it, so they report it)."""
         assert admitted.late_count is not None
         try:
             tokens, seconds, keys = await admitted.late_count

@@ -128,6 +128,47 @@ def test_a_request_admitted_on_its_bound_ends_on_its_exact_count(reservation: st
     asyncio.run(scenario())
 
 
+def test_a_lease_on_a_bound_shrinks_once_counted_not_when_the_answer_begins() -> None:
+    """A JSON answer begins only when the engine has generated all of it: the lease
+    must not hold its bound (~5 bytes a token here) until then, while requests that fit
+    on the exact figure wait for it. It shrinks once the count is in, and the reply's
+    headers still report the exact figures."""
+    messages = ascii_chat(300)
+    exact = hf_count(hf_tokenizer(MODELS / MODEL), {"messages": messages})
+    reached = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await request.read()
+        reached.set()
+        await answer.wait()  # generating: no byte of the answer yet
+        return web.json_response({"choices": [], "usage": {"completion_tokens": 1}})
+
+    async def scenario() -> None:
+        async with behind(slow) as stack, aiohttp.ClientSession() as s:
+            bound = bound_of(stack, messages)
+            want = blocks(exact + 40)
+            assert blocks(bound + 40) > want
+            body = {"model": MODEL, "messages": messages, "max_tokens": 40}
+            reply = asyncio.ensure_future(s.post(f"{stack.url}/v1/chat/completions",
+                                                 json=body))
+            async with asyncio.timeout(5):
+                await reached.wait()
+                while stack.resident()["sim-0"] != want:
+                    await asyncio.sleep(0.005)
+            assert not reply.done()
+            answer.set()
+            async with await reply as resp:
+                assert resp.status == 200
+                assert resp.headers["x-kvgate-prompt-tokens"] == str(exact)
+                assert resp.headers["x-kvgate-reserved-tokens"] == str(want)
+            assert await metric(s, stack, "kvgate_bound_admissions_total") == 1.0
+            await settle(stack)
+            assert stack.state.ledger.lease_count("sim-0") == 0
+
+    asyncio.run(scenario())
+
+
 def test_without_room_for_the_bound_the_exact_count_admits() -> None:
     """Room for the exact demand but not for the bound: counted first, admitted, 200."""
     messages = ascii_chat(300)
