@@ -276,8 +276,11 @@ class Gate:
 
     def _release(self, admitted: Admitted, *, completed: bool) -> None:
         try:
-            if admitted.settling is not None and not admitted.settling.done():
-                admitted.settling.cancel()  # the reply never began: the lease goes anyway
+            if (settling := admitted.settling) is not None:
+                if not settling.done():
+                    settling.cancel()  # the reply never began: the lease goes anyway
+                elif not settling.cancelled():
+                    settling.exception()  # retrieved: raised to the reply, or it never began
             if admitted.late_count is not None:
                 close_late(admitted.late_count, admitted.record)
             if admitted.progress is not None and self.tracker is not None:
