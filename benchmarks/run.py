@@ -334,9 +334,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=lambda v: [Target(t) for t in _choices(v, [t.value for t in Target],
                                                     "unknown target")],
         default=None,
-        help="direct, direct+timeout, strict, adaptive, affinity+timeout, adaptive-prefix-off "
-             "(default: each scenario's own: S1-S4 the first four; G, Gz direct, "
-             "direct+timeout, affinity+timeout, adaptive-prefix-off, adaptive)")
+        help="direct, direct+timeout, strict, adaptive, affinity+timeout, adaptive-prefix-off, "
+             "one-engine (default: each scenario's own: S1-S4 the first four; G, Gz direct, "
+             "direct+timeout, affinity+timeout, adaptive-prefix-off, adaptive; M those and "
+             "one-engine, the hit-rate yardstick)")
     parser.add_argument("--s4-orderings", default="fifo",
                         type=lambda v: tuple(_choices(v, ["fifo", "shortest-first", "priority"],
                                                       "unknown ordering")),

@@ -28,9 +28,11 @@ from benchmarks.suite.cluster import (
     kvgate_config,
     to_toml,
 )
+from benchmarks.suite.engine_run import Limits, run_target
 from benchmarks.suite.loadgen import ABANDONED, CUT, Result, Run, Sample, run_open_loop
 from benchmarks.suite.refusals import acceptance, refusal_table, summarize_refusals
-from benchmarks.suite.report import summarize
+from benchmarks.suite.report import AWARE, ONE_ENGINE, prefix_summary, summarize
+from benchmarks.suite.report import acceptance as acceptance_of_prefix
 from benchmarks.suite.workloads import (
     Behaviour,
     PromptBuilder,
@@ -178,6 +180,35 @@ def test_mooncake_conversations_keep_whole_conversations_and_their_shared_prefix
                 break
             common += 1
         assert common >= 2 * 64  # at least the shared block 0 and the conversation's own
+
+
+def test_one_engine_holds_every_pool_and_yields_m_s_hit_rate_yardstick() -> None:
+    """`one-engine`: one simulated backend with all four pools, clients straight to it,
+    giving up at the deadline; its engine-reported hits are M's yardstick, and the
+    acceptance line compares kvgate's hit rate with it."""
+    rows = load_mooncake("mooncake_conversation_slice.jsonl")
+    builder = PromptBuilder(load_counter(QWEN))
+    specs = mooncake_conversations(rows, count=12, window_s=600.0, duration_s=2.0,
+                                   block_tokens=64, prompt_overhead=builder.user_overhead,
+                                   max_prompt=2000, max_output=8)
+    params = SimParams(kv_tokens=4096, prefix_caching=True)
+    target = Target.ONE_ENGINE
+    assert target.gives_up and not target.proxy and target.label == ONE_ENGINE
+    run = asyncio.run(run_target("M", specs, builder, params, target, Behaviour.CAP_2048,
+                                 "fifo", target.label, Limits(duration_s=2.0, drain_s=3.0),
+                                 5.0, backends=4))
+    assert run.samples and {s.capacity for s in run.samples} == {4 * 4096}
+    assert {len(s.kv_per_backend) for s in run.samples} == {1}
+    one = prefix_summary(run, slo_ttft_s=3.0, window_s=2.0)
+    assert one.completed == len(specs) and one.query_tokens > 0
+    assert one.hit_tokens > 0  # a conversation's later turns reuse its earlier blocks
+    assert one.hit_rate is not None
+    line = acceptance_of_prefix("M", [replace(one, label=AWARE, hit_tokens=0.75 * one.hit_tokens),
+                                      one])
+    assert f"NOT MET: engine prefix hit rate >= 0.8x `{ONE_ENGINE}`" in line
+    line = acceptance_of_prefix("M", [replace(one, label=AWARE), one])
+    assert f"- MET: engine prefix hit rate >= 0.8x `{ONE_ENGINE}`" in line
+    assert "= 1.00x" in line
 
 
 def test_affinity_ring_hashes_the_leading_text_consistently() -> None:

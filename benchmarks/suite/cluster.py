@@ -45,6 +45,10 @@ class Target(StrEnum):
     # backends (AffinityRing) and give up at the deadline like direct+timeout
     AFFINITY_TIMEOUT = "affinity+timeout"
     ADAPTIVE_PREFIX_OFF = "adaptive-prefix-off"  # adaptive, prefix_sharing = "off"
+    # A reference, not a contender: one simulated engine holding every backend's pool,
+    # clients straight to it giving up at the deadline. Its prefix hit rate is what one
+    # cache of the whole fleet's size hits on the same arrivals (M's yardstick).
+    ONE_ENGINE = "one-engine"
 
     @property
     def proxy(self) -> bool:
@@ -53,7 +57,7 @@ class Target(StrEnum):
     @property
     def gives_up(self) -> bool:
         """The client abandons a request without a first token at the deadline."""
-        return self in (Target.DIRECT_TIMEOUT, Target.AFFINITY_TIMEOUT)
+        return self in (Target.DIRECT_TIMEOUT, Target.AFFINITY_TIMEOUT, Target.ONE_ENGINE)
 
     @property
     def reservation(self) -> str:

@@ -19,7 +19,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -189,6 +189,8 @@ async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
     if target is Target.AFFINITY_TIMEOUT:
         route = AffinityRing(backends).backend
     real = engine is not None
+    if target is Target.ONE_ENGINE:  # every pool in one engine
+        params, backends = replace(params, kv_tokens=params.kv_tokens * backends), 1
     backends_cm = (engine.cluster(gate, backends) if engine is not None
                    else cluster(params, gate=gate, backends=backends))
     with backends_cm as c:

@@ -298,6 +298,7 @@ def prefix_table(summaries: list[PrefixSummary]) -> str:
 
 
 AWARE, BLIND = "kvgate adaptive", "kvgate adaptive-prefix-off"
+ONE_ENGINE = "one-engine"  # `Target.ONE_ENGINE`'s label: the hit-rate yardstick of M
 
 
 def acceptance(key: str, summaries: list[PrefixSummary]) -> str:
@@ -333,6 +334,12 @@ def acceptance(key: str, summaries: list[PrefixSummary]) -> str:
             checks.append(("TTFT p50 of completed <= 0.7x prefix-blind", r <= 0.7,
                            f"{aware.ttft_p50 * 1000:,.0f} / {blind.ttft_p50 * 1000:,.0f} ms "
                            f"= {r:.2f}x"))
+        one = by.get(ONE_ENGINE)
+        if one is not None and one.hit_rate and aware.hit_rate is not None:
+            r = aware.hit_rate / one.hit_rate
+            checks.append((f"engine prefix hit rate >= 0.8x `{ONE_ENGINE}` (one engine "
+                           "holding all the pools, same arrivals)", r >= 0.8,
+                           f"{aware.hit_rate:.1%} / {one.hit_rate:.1%} = {r:.2f}x"))
     else:
         ratio("affinity+timeout", 1.2)
         checks.append(("no backend idle (< 30% KV use) while another rejects",
