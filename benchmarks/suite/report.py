@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.suite.cluster import Target
 from benchmarks.suite.loadgen import Result, Run, Sample
 
 INF = math.inf
@@ -297,8 +298,9 @@ def prefix_table(summaries: list[PrefixSummary]) -> str:
     return "\n".join(lines)
 
 
-AWARE, BLIND = "kvgate adaptive", "kvgate adaptive-prefix-off"
-ONE_ENGINE = "one-engine"  # `Target.ONE_ENGINE`'s label: the hit-rate yardstick of M
+# the targets' labels, as `summarize` names their runs
+AWARE, BLIND = Target.ADAPTIVE.label, Target.ADAPTIVE_PREFIX_OFF.label
+ONE_ENGINE = Target.ONE_ENGINE.label  # the hit-rate yardstick of M
 
 
 def acceptance(key: str, summaries: list[PrefixSummary]) -> str:
