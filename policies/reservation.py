@@ -24,10 +24,15 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
 __all__ = ["AdmissionTarget", "OutputHistory", "ReservationMode"]
+
+
+# products of floats: a hair of slack so that an exact quantile is not missed
+_SLACK = 1e-12
 
 
 class ReservationMode(StrEnum):
@@ -36,10 +41,12 @@ class ReservationMode(StrEnum):
 
 
 class OutputHistory:
-    """The last `size` observed output lengths (tokens per choice) of one model.
+    """The last `size` observed output lengths (tokens per choice) of one model,
+    and what the requests still running say about them (`censor`).
 
-    Below `min_samples` observations `ready` is False and callers use their
-    cold-start rule instead (see `proxy.reservation.ReservationTracker.output_budget`).
+    Below `min_samples` observations, or while the running outlive the answers seen
+    so often that the q-quantile is past all of them, `ready` is False and callers use
+    their cold-start rule instead (see `proxy.reservation.ReservationTracker.output_budget`).
     All three are required: their defaults are `[models.adaptive]`'s, in
     `proxy.config.AdaptiveConfig` (`history`, `min_samples`, `quantile`).
     """
@@ -57,13 +64,66 @@ class OutputHistory:
         # decreasing: the first is the longest (a sliding maximum, O(1) per answer)
         self._observed = 0
         self._longest: deque[tuple[int, int]] = deque()
+        # The Kaplan-Meier curve of the last `censor`: the distinct observed lengths,
+        # ascending, and minus P(L > length) at each (ascending too, for bisect).
+        # Empty while nothing runs: then the plain empirical quantiles hold.
+        self._km_lengths: list[int] = []
+        self._km_minus_survival: list[float] = []
 
     def __len__(self) -> int:
         return len(self._recent)
 
     @property
     def ready(self) -> bool:
-        return len(self._recent) >= self.min_samples
+        if len(self._recent) < self.min_samples:
+            return False
+        # the running outlive the answers seen: the q-quantile lies past them all
+        curve = self._km_minus_survival
+        return not curve or -curve[-1] < self._below(1.0)
+
+    def censor(self, running: Iterable[int]) -> None:
+        """Count the requests still running: one that has generated `g` tokens will
+        end past `g` (a right-censored observation of its length).
+
+        Why: the history holds only answers that have ended, and short answers end
+        first. Early in a burst the window holds the short answers while the long ones
+        still run, so its quantiles are those of the short ones, and leases sized on
+        them are outgrown. In virtual time (`kvgate simulate`, G-shaped traces whose
+        outputs come in regimes of a few seconds, median ~375 then ~180): ten answers
+        in, the history's median was 52 while the 64 running had generated 60 each
+        and were to reach ~375; 31 preemptions over twelve runs, all in the first 10 s.
+        The Kaplan-Meier estimate of P(L > t) keeps each running request at risk up
+        to its `g`, so the quantiles move up by what the running show and no more;
+        with nothing running it is the empirical one. When the running outlive the
+        seen answers so often that the q-quantile is past all of them, `ready` is
+        False until answers catch up: there is nothing to size on.
+
+        Called once per resize tick (O(window + running)); `remaining` and `ready` read
+        the curve until the next call. An answer observed in between is missing from
+        it for at most a tick, during which it stays at risk as it was when running.
+        """
+        events = self._sorted
+        lengths: list[int] = []
+        minus_survival: list[float] = []
+        censored = sorted(running)
+        if censored and events:
+            at_risk = len(events) + len(censored)
+            survival = 1.0
+            i = c = 0
+            n_events, n_censored = len(events), len(censored)
+            while i < n_events:
+                length = events[i]
+                while c < n_censored and censored[c] < length:
+                    c += 1
+                    at_risk -= 1  # it has run past every length up to here, no further
+                ended = bisect.bisect_right(events, length, i) - i
+                survival *= 1.0 - ended / at_risk
+                lengths.append(length)
+                minus_survival.append(-survival)
+                at_risk -= ended
+                i += ended
+        self._km_lengths = lengths
+        self._km_minus_survival = minus_survival
 
     def observe(self, output_tokens: int, prompt_tokens: int | None = None) -> None:
         """Record one answer's length, and the length of its prompt where known."""
@@ -103,8 +163,29 @@ class OutputHistory:
         longer = len(self._sorted) - start
         if longer < self.tail_samples or longer == 0:
             return max(generated, 1)
+        if self._km_lengths:
+            return self._censored_remaining(generated)
         index = start + min(longer - 1, int(self.quantile * longer))
         return self._sorted[index] - generated
+
+    def _below(self, survival: float) -> float:
+        """P(L > t) must fall below this for t to be the q-quantile of L | L > g, where
+        `survival` is P(L > g); at q = 1, to zero (the longest answer seen)."""
+        if self.quantile >= 1.0:
+            return _SLACK
+        return (1.0 - self.quantile) * survival - _SLACK
+
+    def _censored_remaining(self, generated: int) -> int:
+        """`remaining` on the Kaplan-Meier curve: the least observed length t > g with
+        P(L > t | L > g) < 1 - q (with nothing running, the same answer as the empirical
+        index int(q x n)); past the curve, as long again as it has run."""
+        lengths, minus_survival = self._km_lengths, self._km_minus_survival
+        at = bisect.bisect_right(lengths, generated)
+        survival = 1.0 if at == 0 else -minus_survival[at - 1]
+        index = bisect.bisect_right(minus_survival, -self._below(survival), lo=at)
+        if index == len(lengths):
+            return max(generated, 1)
+        return lengths[index] - generated
 
     @property
     def tail_samples(self) -> int:

@@ -330,14 +330,23 @@ class ReservationTracker:
         )
 
     async def tick(self, controller: AdmissionController, now: float) -> None:
-        """Resize every live lease to what its progress says it will still need.
+        """Resize every live lease to what its progress says it will still need,
+        after telling the history how far each stream has run (`OutputHistory.censor`).
 
         Growth happens as soon as the estimate rises; shrinking waits for two blocks
         of slack so a lease does not flap on every decode step.
         """
-        for progress in list(self._live.values()):
+        followed = [p for p in self._live.values() if not p.strict]
+        was_ready = self.history.ready
+        # streams only: their progress is counted, where a non-streamed answer's is
+        # time x a decode rate that starts high on purpose and would read as length
+        self.history.censor(min(p.max_tokens, p.streamed_tokens())
+                            for p in followed if p.stream)
+        if not was_ready and self.history.ready and self.on_ready is not None:
+            self.on_ready()
+        for progress in followed:
             lease = progress.lease
-            if lease.released or progress.strict:
+            if lease.released:
                 continue
             wanted = self.lease_tokens(
                 prompt_tokens=progress.prompt_tokens, max_tokens=progress.max_tokens,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,6 +46,61 @@ def test_history_remaining_is_the_conditional_quantile() -> None:
     # past the tail (fewer than 8 longer samples): as long again as it has run
     assert h.remaining(995) == 995
     assert h.quantile_of(0.5) == 510
+
+
+def test_history_counts_the_running_as_outliving_what_they_have_generated() -> None:
+    """Kaplan-Meier, worked by hand. Ten answers of 10, 20, ..., 100 tokens; ten
+    requests still running at 55 generated. At risk at first: 20. The answers of 10-50
+    end one each: P(L > 50) = 19/20 x 18/19 x ... x 15/16 = 0.75. The ten running
+    leave the risk set past 55, so 5 are at risk at 60: 0.75 x 4/5 = 0.6; at 70:
+    0.6 x 3/4 = 0.45 < 0.5, the median. On the answers alone it is 60."""
+    h = OutputHistory(size=100, min_samples=10, quantile=0.5)
+    for length in range(10, 101, 10):
+        h.observe(length)
+    assert h.remaining(0) == 60
+    h.censor([55] * 10)
+    assert h.ready and h.remaining(0) == 70
+    # 60 generated: P(L > t | L > 60) < 0.5 first at 90 (0.15 / 0.6; at 80, 0.3 / 0.6)
+    assert h.remaining(60) == 30
+    # the running below every answer change nothing: a plain empirical curve
+    h.censor([5] * 10)
+    assert h.remaining(0) == 60
+    h.censor([])  # nothing running: the empirical quantile again
+    assert h.remaining(0) == 60
+
+
+def test_history_with_the_running_behind_every_answer_reads_as_without_them() -> None:
+    """Running requests that have generated less than every answer seen say nothing
+    new: the Kaplan-Meier quantile is then the empirical one at every point, for any
+    q (random histories, fixed seed)."""
+    rng = random.Random(7)
+    for _ in range(200):
+        q = rng.choice([0.1, 0.5, 0.75, 0.9, 0.99, 1.0])
+        h = OutputHistory(size=500, min_samples=1, quantile=q)
+        for _ in range(rng.randint(1, 300)):
+            h.observe(rng.randint(5, 2000))
+        points = [rng.randint(0, 2100) for _ in range(20)]
+        plain = [h.remaining(g) for g in points]
+        h.censor([rng.randint(0, 4) for _ in range(rng.randint(1, 50))])
+        assert h.ready
+        assert [h.remaining(g) for g in points] == plain
+
+
+def test_history_is_not_ready_while_the_running_outlive_what_it_has_seen() -> None:
+    """Short answers end first: ten answers of 10-100 while twenty requests have run
+    past 150. P(L > 100) = 20/30 > 0.5, so the median is past every answer seen: the
+    history is not ready (callers fall back to their cold-start rule) until answers
+    catch up."""
+    h = OutputHistory(size=100, min_samples=10, quantile=0.5)
+    for length in range(10, 101, 10):
+        h.observe(length)
+    assert h.ready
+    h.censor([150] * 20)
+    assert not h.ready
+    for _ in range(20):  # they end at 160
+        h.observe(160)
+    h.censor([])
+    assert h.ready and h.remaining(0) == 160
 
 
 def test_history_longest_prompt_is_that_of_the_answers_in_the_window() -> None:
@@ -572,6 +628,58 @@ def _learnt_controller(capacity: int) -> tuple[AdmissionController, ReservationT
         tracker.history.observe(100, prompt_tokens=100)
     assert tracker.history.ready and tracker.history.remaining(0) == 100
     return c, tracker
+
+
+def test_a_tick_tells_the_history_how_far_the_running_have_run() -> None:
+    """The history learnt ten 100-token answers; twelve chats still stream past 150.
+    Sized on the answers alone a new chat holds 208 tokens (100 + 100); once the tick
+    counts the running, the history is not ready, each running lease is held as at a
+    cold start (its output so far twice over: 100 + 2 x 152 + 1, in blocks), and
+    admission keeps a cold start's room for them to grow. When they end at 300, the
+    history is ready again and sizes on what it saw."""
+    async def scenario() -> None:
+        c, tracker = _learnt_controller(65536)
+        loop = asyncio.get_running_loop()
+        chat = Demand(tokens=208, prompt_tokens=100, max_tokens=2048, follow=True)
+        assert c.sizer is not None and c.sizer(chat) == 208
+        running = [await c.acquire(chat, loop.time()) for _ in range(12)]
+        progress = [_streamed(lease, 150) for lease in running]
+        for p in progress:
+            tracker.track(p)
+        await tracker.tick(c, loop.time())
+        assert not tracker.history.ready
+        lookahead = tracker.lookahead_tokens()
+        held = -(-(100 + 2 * (150 + lookahead) + 1) // 16) * 16
+        assert [lease.tokens for lease in running] == [held] * 12
+        assert c.sizer(chat) == 112  # cold start: 100 + 1, in blocks
+        for p in progress:
+            p.feed(b"data: {}\n\n" * 150)
+            p.tail += b'"usage":{"completion_tokens":300}'
+            tracker.finish(p, loop.time(), completed=True)
+            p.lease.release()
+        await tracker.tick(c, loop.time())
+        assert tracker.history.ready and tracker.history.remaining(0) == 300
+
+    asyncio.run(scenario())
+
+
+def test_a_non_streamed_answer_running_long_does_not_read_as_a_long_answer() -> None:
+    """A non-streamed answer's progress is elapsed time x a decode rate that starts
+    high on purpose: 100 s at 100 tokens/s would read as 10,000 tokens generated. The
+    history is told only of streams, so it stays ready on what it has seen."""
+    async def scenario() -> None:
+        c, tracker = _learnt_controller(65536)
+        loop = asyncio.get_running_loop()
+        chat = Demand(tokens=208, prompt_tokens=100, max_tokens=20000, follow=True)
+        for _ in range(12):
+            lease = await c.acquire(chat, loop.time())
+            tracker.track(Progress(lease=lease, prompt_tokens=100, max_tokens=20000, n=1,
+                                   min_tokens=0, stream=False, chat=True,
+                                   started_s=loop.time() - 100.0))
+        await tracker.tick(c, loop.time())
+        assert tracker.history.ready and tracker.history.remaining(0) == 100
+
+    asyncio.run(scenario())
 
 
 def _streamed(lease: Any, generated: int) -> Progress:
