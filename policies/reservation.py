@@ -69,6 +69,7 @@ class OutputHistory:
         # Empty while nothing runs: then the plain empirical quantiles hold.
         self._km_lengths: list[int] = []
         self._km_minus_survival: list[float] = []
+        self.running_counted = 0  # the running requests the last `censor` was given
 
     def __len__(self) -> int:
         return len(self._recent)
@@ -124,6 +125,7 @@ class OutputHistory:
                 i += ended
         self._km_lengths = lengths
         self._km_minus_survival = minus_survival
+        self.running_counted = len(censored)
 
     def observe(self, output_tokens: int, prompt_tokens: int | None = None) -> None:
         """Record one answer's length, and the length of its prompt where known."""

@@ -138,6 +138,11 @@ class AdminViews:
                     "samples": len(g.tracker.history), "ready": g.tracker.history.ready,
                     "p50_tokens": g.tracker.history.quantile_of(0.5),
                     "p90_tokens": g.tracker.history.quantile_of(0.9),
+                    # what a new request's lease holds for its output, the running
+                    # counted (`OutputHistory.censor`); null on the cold-start rule
+                    "running_counted": g.tracker.history.running_counted,
+                    "expected_output_tokens": (g.tracker.history.remaining(0)
+                                               if g.tracker.history.ready else None),
                     "decode_tokens_per_s": round(g.tracker.decode_tokens_per_s, 1),
                 }} if g.tracker is not None else {}),
                 "capacity_source": g.config.capacity_source,

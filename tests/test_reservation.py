@@ -387,6 +387,9 @@ def test_adaptive_state_and_metrics_show_engine_figures() -> None:
             assert model["reservation"] == "adaptive"
             assert model["output_history"]["samples"] == 4
             assert model["output_history"]["p50_tokens"] == 8
+            # what a new chat's lease holds for its output; none of the four still runs
+            assert model["output_history"]["expected_output_tokens"] == 8
+            assert model["output_history"]["running_counted"] == 0
             backend = model["backends"]["sim-0"]
             assert backend["engine_kv_usage_ratio"] == 0.0
             assert backend["engine_preemptions_reported"] == 0
