@@ -337,13 +337,10 @@ class ReservationTracker:
         of slack so a lease does not flap on every decode step.
         """
         followed = [p for p in self._live.values() if not p.strict]
-        was_ready = self.history.ready
         # streams only: their progress is counted, where a non-streamed answer's is
         # time x a decode rate that starts high on purpose and would read as length
         self.history.censor(min(p.max_tokens, p.streamed_tokens())
                             for p in followed if p.stream)
-        if not was_ready and self.history.ready and self.on_ready is not None:
-            self.on_ready()
         for progress in followed:
             lease = progress.lease
             if lease.released:

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from policies.ordering import make_ordering
-from policies.reservation import AdmissionTarget, OutputHistory
+from policies.reservation import AdmissionTarget, OutputHistory, _kaplan_meier
 from proxy.admission import AdmissionController, Backend, Demand
 from proxy.engine_metrics import engine_load
 from proxy.errors import QueueTimeout
@@ -81,26 +81,51 @@ def test_history_with_the_running_behind_every_answer_reads_as_without_them() ->
             h.observe(rng.randint(5, 2000))
         points = [rng.randint(0, 2100) for _ in range(20)]
         plain = [h.remaining(g) for g in points]
-        h.censor([rng.randint(0, 4) for _ in range(rng.randint(1, 50))])
+        running = sorted(rng.randint(0, 4) for _ in range(rng.randint(1, 50)))
+        h.censor(running)
         assert h.ready
+        assert [h.remaining(g) for g in points] == plain
+        # censor skips the curve there; drawn anyway, it reads the same
+        h._km_lengths, h._km_minus_survival = _kaplan_meier(h._sorted, running)
         assert [h.remaining(g) for g in points] == plain
 
 
-def test_history_is_not_ready_while_the_running_outlive_what_it_has_seen() -> None:
+def test_history_guesses_the_ends_of_the_running_that_outlive_what_it_has_seen() -> None:
     """Short answers end first: ten answers of 10-100 while twenty requests have run
-    past 150. P(L > 100) = 20/30 > 0.5, so the median is past every answer seen: the
-    history is not ready (callers fall back to their cold-start rule) until answers
-    catch up."""
+    past 150. P(L > 100) = 20/30 > 0.5, so the median is past every answer seen. Each
+    of the twenty is then taken to end at twice what it has generated (2 x 150 + 1),
+    and the curve is drawn again: the median is 301 (on the answers alone, 60; the
+    history stays ready). When they end at 160, it is 160."""
     h = OutputHistory(size=100, min_samples=10, quantile=0.5)
     for length in range(10, 101, 10):
         h.observe(length)
-    assert h.ready
+    assert h.ready and h.remaining(0) == 60
     h.censor([150] * 20)
-    assert not h.ready
+    assert h.ready and h.remaining(0) == 301
+    # one of them, at 150: past every answer seen, as long again as it has run
+    assert h.remaining(150) == 150
+    # five more behind the answers stay at risk to 55, as in the plain curve; the
+    # guess changes only the tail: still 301
+    h.censor([150] * 20 + [55] * 5)
+    assert h.remaining(0) == 301
     for _ in range(20):  # they end at 160
         h.observe(160)
     h.censor([])
     assert h.ready and h.remaining(0) == 160
+
+
+def test_history_guess_applies_only_when_the_quantile_is_past_every_answer() -> None:
+    """At q = 0.25 the same twenty running streams leave P(L > 100) = 20/30 below
+    0.75, so the 0.25-quantile lies among the answers seen and the plain Kaplan-Meier
+    curve answers: P(L > 30) = 27/30 = 0.9, P(L > 40) = 0.867,
+    P(L > 50) = 0.833, P(L > 60) = 0.8, P(L > 70) = 0.767, P(L > 80) = 0.733 < 0.75,
+    so 80 (on the answers alone, int(0.25 x 10) -> 30)."""
+    h = OutputHistory(size=100, min_samples=10, quantile=0.25)
+    for length in range(10, 101, 10):
+        h.observe(length)
+    assert h.remaining(0) == 30
+    h.censor([150] * 20)
+    assert h.remaining(0) == 80
 
 
 def test_history_longest_prompt_is_that_of_the_answers_in_the_window() -> None:
@@ -635,11 +660,12 @@ def _learnt_controller(capacity: int) -> tuple[AdmissionController, ReservationT
 
 def test_a_tick_tells_the_history_how_far_the_running_have_run() -> None:
     """The history learnt ten 100-token answers; twelve chats still stream past 150.
-    Sized on the answers alone a new chat holds 208 tokens (100 + 100); once the tick
-    counts the running, the history is not ready, each running lease is held as at a
-    cold start (its output so far twice over: 100 + 2 x 152 + 1, in blocks), and
-    admission keeps a cold start's room for them to grow. When they end at 300, the
-    history is ready again and sizes on what it saw."""
+    Sized on the answers alone a new chat holds 208 tokens (100 + 100). Once the tick
+    counts the running, the median lies past every answer seen, so each of the twelve
+    is guessed to end at 2 x 150 + 1 = 301: a new chat holds 100 + 301 (416 in
+    blocks), each running lease its output so far twice over (100 + 2 x 171, the
+    lookahead included: 448 in blocks). When they end at 300, the history sizes on
+    what it saw."""
     async def scenario() -> None:
         c, tracker = _learnt_controller(65536)
         loop = asyncio.get_running_loop()
@@ -650,11 +676,11 @@ def test_a_tick_tells_the_history_how_far_the_running_have_run() -> None:
         for p in progress:
             tracker.track(p)
         await tracker.tick(c, loop.time())
-        assert not tracker.history.ready
+        assert tracker.history.ready and tracker.history.running_counted == 12
         lookahead = tracker.lookahead_tokens()
-        held = -(-(100 + 2 * (150 + lookahead) + 1) // 16) * 16
+        held = -(-(100 + 2 * (150 + lookahead)) // 16) * 16
         assert [lease.tokens for lease in running] == [held] * 12
-        assert c.sizer(chat) == 112  # cold start: 100 + 1, in blocks
+        assert c.sizer(chat) == 416
         for p in progress:
             p.feed(b"data: {}\n\n" * 150)
             p.tail += b'"usage":{"completion_tokens":300}'
