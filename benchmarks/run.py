@@ -140,10 +140,11 @@ def _long_requests(runs: list[Run]) -> str:
 async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilder,
                             params: SimParams, behaviours: Sequence[Behaviour],
                             targets: Sequence[Target] | None, limits: Limits,
-                            retries: int = 0) -> list[str]:
+                            retries: int = 0, replicas: int = 1) -> list[str]:
     """`targets` None: the scenario's own set. `retries`: every kvgate target runs
     twice, its clients not retrying and (label `+retry`) retrying once after a
-    refusal's Retry-After."""
+    refusal's Retry-After. `replicas`: every kvgate target runs as that many replicas
+    on one Redis ledger, the clients spread over them round-robin."""
     params = scenario.params or params
     targets = scenario.targets if targets is None else targets
     prefix = scenario.key in ("G", "Gz", "M")
@@ -171,7 +172,7 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
                 runs.append(await run_target(scenario.key, scenario.specs, builder, params,
                                              target, behaviour, ordering, label, limits,
                                              scenario.starvation_s, scenario.backends,
-                                             retries=tries))
+                                             retries=tries, replicas=replicas))
             except StartFailed as exc:
                 failed.append(f"{label}: {exc}")
             if label not in labels:
@@ -185,7 +186,7 @@ async def scenario_sections(out: Path, scenario: Scenario, builder: PromptBuilde
             plot(runs, f"{scenario.key}, client behaviour `{behaviour}`: {scenario.title}",
                  image)
         part = (f"### {scenario.key}, client behaviour `{behaviour}`\n\n{table(summaries)}"
-                f"\n\n{notes_of(summaries, failed)}")
+                f"\n\n{notes_of(summaries, failed, runs)}")
         if runs and not prefix:
             part += "\n\n" + _refusal_part(scenario.key, behaviour, runs, summaries, out)
         if prefix and runs:
@@ -360,6 +361,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="what 2x means in G, Gz: Little's law on a pool holding each "
                              "group's system prompt once (shared, default) or on the whole "
                              "prompt per request (unshared)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="kvgate targets run as this many replicas on one Redis ledger "
+                             "(a fresh redis-server per run; simulator engine only)")
+    parser.add_argument("--group-load", type=float, default=2.0,
+                        help="G and Gz: the offered load, in multiples of 1x (default 2)")
     parser.add_argument("--engine", choices=ENGINES, default="sim",
                         help="the backends: kvgate's simulator (default), two llama.cpp "
                              "llama-servers or two vLLM CPU servers (S1, S2 only; each "
@@ -466,6 +472,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     params = SimParams()
     builder = PromptBuilder(load_counter(ROOT / "models" / "qwen3-14b"))
+    if args.replicas < 1 or (args.replicas > 1 and args.engine != "sim"):
+        raise SystemExit("--replicas: at least 1, and several only on the simulator")
     if args.engine == "llama.cpp":
         sections = llama_sections(out, wanted, builder, args, limits)
     elif args.engine == "vllm":
@@ -474,7 +482,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         scenarios, header = plan_scenarios(duration, params, wanted, args.s4_orderings,
                                            args.starvation_s, builder.group_overhead,
                                            args.prefix_calibration,
-                                           user_overhead=builder.user_overhead)
+                                           user_overhead=builder.user_overhead,
+                                           group_load=args.group_load)
         if args.orderings:
             scenarios = [s if s.key == "S4" else dataclasses.replace(s, orderings=args.orderings)
                          for s in scenarios]
@@ -482,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for scenario in scenarios:
             sections += asyncio.run(scenario_sections(out, scenario, builder, params,
                                                       args.behaviours, args.targets, limits,
-                                                      args.retries))
+                                                      args.retries, args.replicas))
     if "overhead" in wanted:
         sections.append(asyncio.run(overhead(args.overhead_scale)))
     elapsed = time.perf_counter() - started

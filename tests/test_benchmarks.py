@@ -28,7 +28,7 @@ from benchmarks.suite.cluster import (
     kvgate_config,
     to_toml,
 )
-from benchmarks.suite.engine_run import Limits, run_target
+from benchmarks.suite.engine_run import Limits, end_state_note, run_target
 from benchmarks.suite.loadgen import ABANDONED, CUT, Result, Run, Sample, run_open_loop
 from benchmarks.suite.refusals import acceptance, refusal_table, summarize_refusals
 from benchmarks.suite.report import AWARE, ONE_ENGINE, prefix_summary, summarize
@@ -209,6 +209,34 @@ def test_one_engine_holds_every_pool_and_yields_m_s_hit_rate_yardstick() -> None
     line = acceptance_of_prefix("M", [replace(one, label=AWARE), one])
     assert f"- MET: engine prefix hit rate >= 0.8x `{ONE_ENGINE}`" in line
     assert "= 1.00x" in line
+
+
+def test_kvgate_targets_run_as_replicas_on_one_redis_and_end_with_nothing_held() -> None:
+    """`--replicas`: the kvgate target runs as two replicas on a fresh redis-server, the
+    clients spread over both, and after the drain the run records what kvgate still
+    holds (ledger, leases, in flight, shared blocks, block keys in Redis): nothing."""
+    builder = PromptBuilder(load_counter(QWEN))
+    specs = group_prompts(rate_per_s=12.0, duration_s=2.0, seed=5, outputs=[8, 16, 32],
+                          prompt_overhead=builder.group_overhead, groups=2,
+                          system_tokens=512, question_tokens=32)
+    params = SimParams(kv_tokens=4096, prefix_caching=True)
+    target = Target.ADAPTIVE
+    run = asyncio.run(run_target("G", specs, builder, params, target, Behaviour.CAP_2048,
+                                 "fifo", target.label, Limits(duration_s=2.0, drain_s=4.0),
+                                 5.0, backends=2, replicas=2))
+    assert {r.backend for r in run.results} == {0, 1}  # both replicas took requests
+    served = {r.backend for r in run.results if r.ok}
+    assert served == {0, 1}, [(r.backend, r.status, r.code) for r in run.results]
+    assert run.totals["replicas"] == 2
+    ends = ("end_resident", "end_leases", "end_inflight", "end_shared", "end_refs")
+    assert {k: run.totals[k] for k in ends} == dict.fromkeys(ends, 0.0)
+    assert run.totals["kvgate_shared"] > 0  # the replicas charged the group prompts once
+    note = end_state_note(run)
+    assert note is not None and note.endswith("(all released)") and "2 replica(s)" in note
+    held = replace(run, totals=run.totals | {"end_leases": 1.0})
+    assert "1 leases" in (end_state_note(held) or "")
+    single = replace(run, totals=run.totals | {"replicas": 1.0})
+    assert end_state_note(single) is None  # one replica, nothing left: no note
 
 
 def test_affinity_ring_hashes_the_leading_text_consistently() -> None:

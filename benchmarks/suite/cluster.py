@@ -5,12 +5,14 @@ A target is how the clients reach the backends: straight (round-robin), straight
 a client-side give-up at kvgate's queue deadline, by consistent hashing of the prompt's
 leading text with that give-up (`affinity+timeout`), or through kvgate with one of its
 reservation modes (and, for adaptive, with shared prefixes charged once or not).
+kvgate may run as several replicas on one Redis ledger, the clients spread over them.
 kvgate's configuration is built as a dict and written as TOML, so
 a variant (e.g. `reservation = "adaptive"`) is one key in that dict.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import re
@@ -18,11 +20,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from hashlib import blake2b
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import tomli_w
@@ -186,6 +188,10 @@ class Cluster:
     sims: list[str]
     proxy: str | None
     capacity: int
+    # every kvgate replica (the first is `proxy`: its /admin/state and /metrics are read
+    # for the samples; with a Redis ledger its resident figures are the shared ones)
+    replicas: list[str] = field(default_factory=list)
+    redis_url: str | None = None  # the replicas' ledger
     samples: list[Sample] = field(default_factory=list)
     results: list[Result] = field(default_factory=list)
     model: str = MODEL  # the served name, as kvgate's /admin/state keys it
@@ -194,7 +200,7 @@ class Cluster:
 
     @property
     def targets(self) -> list[str]:
-        return [self.proxy] if self.proxy else self.sims
+        return self.replicas or ([self.proxy] if self.proxy else self.sims)
 
     def watch(self, results: list[Result]) -> None:
         """The live results, for the clients' view of what the engines hold."""
@@ -212,12 +218,53 @@ class Cluster:
                 totals["prefix_hits"] += m.get("vllm:prefix_cache_hits_total", 0.0)
                 totals["prefix_queries"] += m.get("vllm:prefix_cache_queries_total", 0.0)
             totals["preemptions"] -= self.preemptions_base
-            if self.proxy:
-                async with s.get(f"{self.proxy}/metrics") as resp:
+            totals["kvgate_shared"] = 0.0
+            for url in self.replicas or ([self.proxy] if self.proxy else []):
+                async with s.get(f"{url}/metrics") as resp:
                     text = await resp.text()
-                totals["kvgate_shared"] = sum(
-                    float(v) for v in _SHARED.findall(text))
+                totals["kvgate_shared"] += sum(float(v) for v in _SHARED.findall(text))
+            if not self.proxy:
+                del totals["kvgate_shared"]
         return totals
+
+    async def end_state(self, settle_s: float = 10.0) -> dict[str, float]:
+        """What kvgate still holds once every client is done: per replica, summed over
+        backends, the ledger's resident tokens, leases, requests in flight and tokens in
+        shared blocks; waits up to `settle_s` for them to reach zero (a lease whose
+        client hung up at the hard stop is released when kvgate notices the hang-up)."""
+        held: dict[str, int] = {}
+        async with aiohttp.ClientSession() as s:
+            loop_deadline = asyncio.get_running_loop().time() + settle_s
+            while True:
+                held = {"end_resident": 0, "end_leases": 0, "end_inflight": 0,
+                        "end_shared": 0}
+                for url in self.replicas or ([self.proxy] if self.proxy else []):
+                    async with s.get(f"{url}/admin/state") as resp:
+                        views = (await resp.json())["models"][self.model]["backends"]
+                    for b in views.values():
+                        held["end_resident"] += b["resident_tokens"]
+                        held["end_leases"] += b["leases"]
+                        held["end_inflight"] += b["inflight"]
+                        held["end_shared"] += b["shared_prefix_resident_tokens"]
+                if self.redis_url is not None:
+                    held["end_refs"] = self._block_refs()
+                if not any(held.values()) or asyncio.get_running_loop().time() > loop_deadline:
+                    return {k: float(v) for k, v in held.items()}
+                await asyncio.sleep(0.1)
+
+    def _block_refs(self) -> int:
+        """Block keys still referenced in the Redis ledger, over every backend."""
+        import redis
+
+        from tests.support.redis_server import block_fields
+
+        assert self.redis_url is not None
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            return sum(len(block_fields(cast(list[bytes], client.hkeys(key))))
+                       for key in client.scan_iter(match="*:refs"))
+        finally:
+            client.close()
 
     async def sample(self, t: float) -> None:
         """One point: the engines' own KV use, queues and preemptions; kvgate's view."""
@@ -245,6 +292,9 @@ class Cluster:
                     by_name, key=lambda k: int(k.rsplit("-", 1)[1]))]
                 reserved = sum(b["resident_tokens"] for b in views)
                 queued = int(model["queue_depth"])
+                for url in self.replicas[1:]:  # each replica queues its own clients
+                    async with s.get(f"{url}/admin/state") as resp:
+                        queued += int((await resp.json())["models"][self.model]["queue_depth"])
                 held = tuple(int(b["resident_tokens"]) for b in views)
                 targets = tuple(int(b["admission_target_tokens"]) for b in views)
         kv_use = usage / len(self.sims)  # equal pools: the mean is the whole pool's share
@@ -279,10 +329,12 @@ def _start(cmd: list[str], log: Path, port: int, name: str,
 
 @contextlib.contextmanager
 def cluster(params: SimParams, *, gate: GateSettings | None = None,
-            seed: int = 0, backends: int = 2) -> Iterator[Cluster]:
-    """`backends` fresh simulated backends, and kvgate in front when `gate` is given."""
+            seed: int = 0, backends: int = 2, replicas: int = 1) -> Iterator[Cluster]:
+    """`backends` fresh simulated backends, and kvgate in front when `gate` is given:
+    `replicas` processes, on a fresh redis-server's ledger when there are several."""
     procs: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp, \
+            contextlib.ExitStack() as stack:
         try:
             sims = []
             for i in range(backends):
@@ -299,15 +351,26 @@ def cluster(params: SimParams, *, gate: GateSettings | None = None,
                           else ["--max-num-seqs", str(params.max_num_seqs)])],
                        Path(tmp) / f"sim{i}.log", port, f"sim {i}", procs)
                 sims.append(f"http://127.0.0.1:{port}")
-            proxy_url = None
-            if gate is not None:
+            urls: list[str] = []
+            if gate is not None and replicas > 1:
+                from tests.support.redis_server import RedisServer
+
+                redis = RedisServer(Path(tmp))
+                redis.start()
+                stack.callback(redis.stop)
+                gate = replace(gate, ledger_url=redis.url)
+            for i in range(replicas if gate is not None else 0):
+                assert gate is not None
                 port = free_port()
-                config = Path(tmp) / "kvgate.toml"
+                config = Path(tmp) / f"kvgate{i}.toml"
                 config.write_text(to_toml(kvgate_config(params, gate, port=port, sims=sims)))
                 _start([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
-                       Path(tmp) / "kvgate.log", port, "kvgate", procs)
-                proxy_url = f"http://127.0.0.1:{port}"
-            yield Cluster(sims=sims, proxy=proxy_url, capacity=backends * params.kv_tokens)
+                       Path(tmp) / f"kvgate{i}.log", port, f"kvgate {i}", procs)
+                urls.append(f"http://127.0.0.1:{port}")
+            yield Cluster(sims=sims, proxy=urls[0] if urls else None,
+                          capacity=backends * params.kv_tokens,
+                          replicas=urls if len(urls) > 1 else [],
+                          redis_url=gate.ledger_url if gate is not None else None)
         finally:
             for proc in reversed(procs):
                 stop_process(proc)

@@ -176,10 +176,11 @@ async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
                      params: SimParams, target: Target, behaviour: Behaviour,
                      ordering: str, label: str, limits: Limits, starvation_s: float,
                      backends: int = 2, engine: RealEngine | None = None,
-                     retries: int = 0) -> Run:
+                     retries: int = 0, replicas: int = 1) -> Run:
     """One run on fresh processes; raises StartFailed when the cluster does not come up.
     `engine` given: its servers instead of simulated backends.
-    `retries`: a refused client retries once after its Retry-After (kvgate targets)."""
+    `retries`: a refused client retries once after its Retry-After (kvgate targets).
+    `replicas`: kvgate targets run as that many replicas on one Redis ledger."""
     gate = None
     if target.proxy:
         gate = GateSettings(deadline_s=DEADLINE_S, ordering=ordering, starvation_s=starvation_s,
@@ -192,7 +193,7 @@ async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
     if target is Target.ONE_ENGINE:  # every pool in one engine
         params, backends = replace(params, kv_tokens=params.kv_tokens * backends), 1
     backends_cm = (engine.cluster(gate, backends) if engine is not None
-                   else cluster(params, gate=gate, backends=backends))
+                   else cluster(params, gate=gate, backends=backends, replicas=replicas))
     with backends_cm as c:
         run = await run_open_loop(
             c.targets, specs, builder, hard_stop_s=limits.hard_stop_s,
@@ -206,6 +207,9 @@ async def run_target(key: str, specs: list[RequestSpec], builder: PromptBuilder,
         run.samples = c.samples
         run.totals = await c.engine_totals()
         run.preemptions = int(run.totals["preemptions"])
+        if target.proxy and engine is None:
+            run.totals |= await c.end_state()
+            run.totals["replicas"] = float(max(1, len(c.replicas)))
     run.label = label
     return run
 
@@ -223,8 +227,28 @@ def runs_for(scenario: Scenario, targets: Sequence[Target]) -> list[tuple[Target
     return out
 
 
-def notes_of(summaries: list[Summary], failed: list[str]) -> str:
+def end_state_note(run: Run) -> str | None:
+    """What kvgate still held after the drain, for a run on several replicas (its
+    acceptance asks for zero) or any run where something was left."""
+    t = run.totals
+    if "end_resident" not in t:
+        return None
+    left = {k: int(t.get(k, 0)) for k in ("end_resident", "end_leases", "end_inflight",
+                                          "end_shared", "end_refs")}
+    replicas = int(t.get("replicas", 1))
+    if replicas <= 1 and not any(left.values()):
+        return None
+    return (f"{run.label}: after the drain, over {replicas} replica(s): "
+            f"{left['end_resident']} resident tokens, {left['end_leases']} leases, "
+            f"{left['end_inflight']} in flight, {left['end_shared']} tokens in shared blocks"
+            + (f", {left['end_refs']} block keys referenced in Redis" if "end_refs" in t else "")
+            + ("" if any(left.values()) else " (all released)"))
+
+
+def notes_of(summaries: list[Summary], failed: list[str],
+             runs: Sequence[Run] = ()) -> str:
     notes = [f"did not run: {f}" for f in failed]
+    notes += [n for n in map(end_state_note, runs) if n is not None]
     for s in summaries:
         over = s.worst_timeout_overshoot_s
         if over is not None and over >= 0:

@@ -86,7 +86,8 @@ def plan_scenarios(duration_s: float, params: SimParams,
                    group_overhead: int = 13,
                    prefix_calibration: str = "shared", max_prompt: int = MAX_PROMPT,
                    max_output: int = MAX_OUTPUT,
-                   user_overhead: int = 8) -> tuple[list[Scenario], str]:
+                   user_overhead: int = 8,
+                   group_load: float = 2.0) -> tuple[list[Scenario], str]:
     conv = load_azure("azure_llm_2023_conv_slice.csv")
     lengths = replay(conv, rate_per_s=1.0, duration_s=10**6, max_prompt=max_prompt,
                      max_output=max_output)
@@ -127,7 +128,8 @@ def plan_scenarios(duration_s: float, params: SimParams,
     prefix_header = ""
     if wanted & {"G", "Gz"}:
         shared, prefix_header = _group_scenarios(conv, duration_s, params, wanted,
-                                                 group_overhead, prefix_calibration)
+                                                 group_overhead, prefix_calibration,
+                                                 group_load)
         out += shared
     if "M" in wanted:
         mooncake, mooncake_header = _mooncake_scenario(duration_s, params, user_overhead,
@@ -238,8 +240,10 @@ def _leading_reuse(specs: list[RequestSpec]) -> float:
 
 def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,
                      wanted: set[str], overhead: int,
-                     calibration: str = "shared") -> tuple[list[Scenario], str]:
-    """G and Gz: 8 groups sharing a system prompt each, 4 backends with prefix caching.
+                     calibration: str = "shared",
+                     load: float = 2.0) -> tuple[list[Scenario], str]:
+    """G and Gz: 8 groups sharing a system prompt each, 4 backends with prefix caching,
+    at `load` (2x unless asked).
 
     2x is calibrated with Little's law (`calibration`):
 
@@ -264,18 +268,18 @@ def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,
                                  prompt_overhead=overhead, groups=GROUPS,
                                  system_tokens=SYSTEM_TOKENS, question_tokens=QUESTION_TOKENS,
                                  zipf_s=zipf_s)
-        # calibrate on a long draw of the same workload, then draw the window at 2x
+        # calibrate on a long draw of the same workload, then draw the window at `load`
         long = at(1.0, 2000.0)
         one_x = (rate_for(1.0, long, sim, PREFIX_BACKENDS) if calibration == "unshared"
                  else rate_for_shared(1.0, long, sim, PREFIX_BACKENDS, GROUPS))
-        return at(2.0 * one_x, duration_s)
+        return at(load * one_x, duration_s)
 
     out = []
     rates = []
     for key, zipf_s, seed, title in (
-            ("G", 0.0, 21, "8 groups sharing a system prompt, uniform popularity, 2x"),
+            ("G", 0.0, 21, f"8 groups sharing a system prompt, uniform popularity, {load:g}x"),
             ("Gz", ZIPF_S, 22, f"8 groups sharing a system prompt, Zipf s={ZIPF_S} "
-                               "popularity (one hot group), 2x")):
+                               f"popularity (one hot group), {load:g}x")):
         if key not in wanted:
             continue
         specs = make(zipf_s, seed)
@@ -287,8 +291,8 @@ def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,
     blind = params.kv_tokens / (prompt + mean_out)
     aware = (params.kv_tokens - GROUPS // PREFIX_BACKENDS * SYSTEM_TOKENS) / (
         QUESTION_TOKENS + overhead + mean_out)
-    load_blind = 2.0 if calibration == "unshared" else 2.0 * aware / blind
-    load_aware = 2.0 if calibration == "shared" else 2.0 * blind / aware
+    load_blind = load if calibration == "unshared" else load * aware / blind
+    load_aware = load if calibration == "shared" else load * blind / aware
     header = (
         f"\n\nShared-prefix scenarios (G, Gz): {PREFIX_BACKENDS} simulated backends x "
         f"{params.kv_tokens:,} KV tokens with vLLM v1 prefix caching ON (the Azure "
@@ -297,15 +301,15 @@ def _group_scenarios(conv: list[TraceRow], duration_s: float, params: SimParams,
         f"{QUESTION_TOKENS}-token question of its own ({prompt:,} tokens after the "
         f"template); output lengths drawn from the Azure conversation slice's recorded "
         f"outputs (clipped to {MAX_OUTPUT}, mean {mean_out:.0f}); Poisson arrivals. "
-        + (f"2x is calibrated with Little's law on the shared footprint: a pool that "
+        + (f"1x is calibrated with Little's law on the shared footprint: a pool that "
            f"holds each group's system prompt once ({GROUPS // PREFIX_BACKENDS} per "
            "backend) and per request only its question, template and output, the ceiling "
-           "of the best prefix-aware placement; 2x overloads every target, the "
+           f"of the best prefix-aware placement; {load:g}x overloads every target, the "
            "prefix-aware one included, so that its KV use at saturation and preemptions "
            "are measured under pressure. "
            if calibration == "shared" else
-           "2x is calibrated with Little's law on the unshared footprint (whole prompt + "
-           "output per request, as in S1-S4): 2x for a prefix-blind pool. ")
+           "1x is calibrated with Little's law on the unshared footprint (whole prompt + "
+           "output per request, as in S1-S4), a prefix-blind pool's. ")
         + f"({'; '.join(rates)}). At the mean lengths a backend holds {blind:.1f} requests "
         f"unshared, {aware:.1f} with {GROUPS // PREFIX_BACKENDS} groups' prompts held once "
         f"there: the offered load is {load_blind:.1f}x of a prefix-blind pool's capacity "
