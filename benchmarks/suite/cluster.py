@@ -199,8 +199,13 @@ class Cluster:
     preemptions_base: int = 0
 
     @property
+    def kvgates(self) -> list[str]:
+        """Every kvgate process in front (none for the direct targets)."""
+        return self.replicas or ([self.proxy] if self.proxy else [])
+
+    @property
     def targets(self) -> list[str]:
-        return self.replicas or ([self.proxy] if self.proxy else self.sims)
+        return self.kvgates or self.sims
 
     def watch(self, results: list[Result]) -> None:
         """The live results, for the clients' view of what the engines hold."""
@@ -218,13 +223,12 @@ class Cluster:
                 totals["prefix_hits"] += m.get("vllm:prefix_cache_hits_total", 0.0)
                 totals["prefix_queries"] += m.get("vllm:prefix_cache_queries_total", 0.0)
             totals["preemptions"] -= self.preemptions_base
-            totals["kvgate_shared"] = 0.0
-            for url in self.replicas or ([self.proxy] if self.proxy else []):
+            if self.kvgates:
+                totals["kvgate_shared"] = 0.0
+            for url in self.kvgates:
                 async with s.get(f"{url}/metrics") as resp:
                     text = await resp.text()
                 totals["kvgate_shared"] += sum(float(v) for v in _SHARED.findall(text))
-            if not self.proxy:
-                del totals["kvgate_shared"]
         return totals
 
     async def end_state(self, settle_s: float = 10.0) -> dict[str, float]:
@@ -232,13 +236,12 @@ class Cluster:
         backends, the ledger's resident tokens, leases, requests in flight and tokens in
         shared blocks; waits up to `settle_s` for them to reach zero (a lease whose
         client hung up at the hard stop is released when kvgate notices the hang-up)."""
-        held: dict[str, int] = {}
         async with aiohttp.ClientSession() as s:
             loop_deadline = asyncio.get_running_loop().time() + settle_s
             while True:
                 held = {"end_resident": 0, "end_leases": 0, "end_inflight": 0,
                         "end_shared": 0}
-                for url in self.replicas or ([self.proxy] if self.proxy else []):
+                for url in self.kvgates:
                     async with s.get(f"{url}/admin/state") as resp:
                         views = (await resp.json())["models"][self.model]["backends"]
                     for b in views.values():
