@@ -100,6 +100,7 @@ class LedgerConfig:
     lease_ttl_s: float = 30.0
     key_prefix: str = "kvgate"
     refresh_interval_s: float = 0.5
+    prefix_mirror_interval_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -274,7 +275,8 @@ def _queue(data: Mapping[str, Any]) -> QueueConfig:
 
 def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
     w = "ledger."
-    check_keys(data, {"kind", "url", "lease_ttl_s", "key_prefix", "refresh_interval_s"}, w)
+    check_keys(data, {"kind", "url", "lease_ttl_s", "key_prefix", "refresh_interval_s",
+                      "prefix_mirror_interval_s"}, w)
     d = LedgerConfig()
     kind = get_str(data, "kind", w, d.kind)
     if kind not in ("memory", "redis"):
@@ -290,6 +292,8 @@ def _ledger(data: Mapping[str, Any]) -> LedgerConfig:
         key_prefix=get_str(data, "key_prefix", w, d.key_prefix),
         refresh_interval_s=get_num(data, "refresh_interval_s", w, d.refresh_interval_s,
                                    minimum=0.01),
+        prefix_mirror_interval_s=get_num(data, "prefix_mirror_interval_s", w,
+                                         d.prefix_mirror_interval_s, minimum=0.0),
     )
 
 

@@ -51,6 +51,12 @@ class Ledger(Protocol):
         """`callback(backend)` when capacity may have come back through another replica."""
         ...
 
+    def add_prefix_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(backend)` when what `ready_blocks`, `holds` or `shared_resident`
+        say of `backend` changed through another replica (placement's figures read
+        them: `proxy.prefix_view`)."""
+        ...
+
     async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int,
                       blocks: Sequence[str] = (), block_tokens: int = 0) -> bool:
         """Add the lease to `backend` if resident + what it adds <= capacity.
@@ -169,6 +175,9 @@ class MemoryLedger:
 
     def add_listener(self, callback: Callable[[str], None]) -> None:
         return None  # every release happens in this process and wakes the queue itself
+
+    def add_prefix_listener(self, callback: Callable[[str], None]) -> None:
+        return None  # one process: every change goes through its own controller
 
     async def reserve(self, backend: str, lease_id: str, tokens: int, capacity: int,
                       blocks: Sequence[str] = (), block_tokens: int = 0) -> bool:

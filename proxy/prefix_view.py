@@ -34,11 +34,13 @@ tokens at least (`policies.placement.STICKY_SHARE`), so a stride of 128 tokens c
 no choice worth making, while a unique 1,000-token prompt at 16-token blocks remembers
 7 keys on release instead of 62, in a table an eighth the size.
 
-Nothing else changes what a ledger reports ready (the Redis ledger reads its own
-replica's leases: `RedisLedger.ready_blocks`), so a remembered figure is always the
-one a scan would give now; the tests hold the two side by side over random events. A
-demand that repeats a key (no hash chain does, but the keys are opaque here) is not
-remembered: a key's position in it would not be unique.
+One more thing changes what a ledger reports ready: the Redis ledger's mirror of every
+replica's ready blocks (`proxy.prefix_mirror`), read every second or so. Its listener
+(`refreshed`) forgets every figure of the backend whose mirror changed. So a
+remembered figure is always the one a scan would give now; the tests hold the two
+side by side over random events. A demand that repeats a key (no hash chain does, but
+the keys are opaque here) is not remembered: a key's position in it would not be
+unique.
 """
 
 from __future__ import annotations
@@ -144,6 +146,12 @@ class PrefixView:
         first = (ready + stride) // stride - 1  # the first modelled key at or past `ready`
         hits = recent.leading(blocks[stride - 1::stride], first)
         return ready, (first + hits) * stride - ready if hits else 0
+
+    def refreshed(self, backend: str) -> None:
+        """The ledger's view of `backend` changed through another replica
+        (`Ledger.add_prefix_listener`): every figure there may be stale."""
+        for memo in self._memos.values():
+            memo.on.pop(backend, None)
 
     def forget(self, owner: object) -> None:
         """The owner left the queue."""

@@ -26,6 +26,10 @@ and settled alone, not retried (`proxy.redis_upkeep.refused` says how, and why).
 Release notifications go over pub/sub (`<prefix>:released`, payload = backend), so
 a waiter on replica B wakes when replica A releases; a periodic refresh covers a
 lost message.
+
+Where prefixes live, for placement: this replica's own leases at once, and every
+replica's as Redis holds them, read every `prefix_mirror_interval_s`
+(`proxy.prefix_mirror`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -43,6 +47,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.chain_pins import ChainPins, leading_run
 from proxy.errors import LedgerUnavailable
+from proxy.prefix_mirror import PrefixMirror
 from proxy.redis_faults import REDIS_ERRORS, unreachable
 from proxy.redis_policy import UnsafeRedisConfig
 from proxy.redis_refresh import RefreshingUpkeep
@@ -75,6 +80,7 @@ class RedisLedger:
         refresh_interval_s: float = 0.5,
         socket_timeout_s: float = 2.0,
         recovery_window_s: float | None = None,
+        prefix_mirror_interval_s: float = 1.0,
     ) -> None:
         if lease_ttl_s <= 0:
             raise ValueError(f"`lease_ttl_s` must be > 0. Given: {lease_ttl_s}")
@@ -82,6 +88,9 @@ class RedisLedger:
             recovery_window_s = default_recovery_window_s(lease_ttl_s, refresh_interval_s)
         if recovery_window_s < 0:
             raise ValueError(f"`recovery_window_s` must be >= 0. Given: {recovery_window_s}")
+        if prefix_mirror_interval_s < 0:
+            raise ValueError("`prefix_mirror_interval_s` must be >= 0 (0: off). Given: "
+                             f"{prefix_mirror_interval_s}")
         self._url = url
         self._backends = list(backends)
         self._prefix = key_prefix
@@ -98,6 +107,10 @@ class RedisLedger:
         self._local_refs: dict[str, ChainPins] = {b: ChainPins() for b in self._backends}
         self._local_ready: dict[str, set[str]] = {b: set() for b in self._backends}
         self._block_tokens: dict[str, int] = {}
+        # and every replica's, as Redis holds them (`proxy.prefix_mirror`)
+        self._mirror = PrefixMirror(self.keys)
+        self._mirror_s = prefix_mirror_interval_s
+        self._prefix_listeners: list[Callable[[str], None]] = []
         # releases, ready marks and renewals for the upkeep's worker, in order
         self._ops: asyncio.Queue[Op] = asyncio.Queue()
         # the epoch each backend's leases were last registered under: the upkeep learns
@@ -145,12 +158,14 @@ class RedisLedger:
         if not await self._upkeep.connect():
             log.warning("shared ledger is UNREACHABLE at start: %s", self._url_for_log())
         loop = asyncio.get_running_loop()
-        # close() cancels the first two; the listener stops on `_closing`
+        # close() cancels all but the listener, which stops on `_closing`
         self._tasks = [
             loop.create_task(self._upkeep.worker()),
             loop.create_task(self._upkeep.maintain()),
-            loop.create_task(self._upkeep.listen()),
         ]
+        if self._mirror_s > 0:
+            self._tasks.append(loop.create_task(self._mirror_loop()))
+        self._tasks.append(loop.create_task(self._upkeep.listen()))
         wait_s = self._upkeep.rebuilding_left_s()
         if wait_s > 0:
             log.warning("shared ledger is being rebuilt: admitting in %.1f s", wait_s)
@@ -176,7 +191,7 @@ class RedisLedger:
                 await self._ops.join()
         # redis-py's get_message can absorb a cancel, so the listener stops on a flag.
         self._closing = True
-        for task in self._tasks[:2]:
+        for task in self._tasks[:-1]:
             task.cancel()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(3.0):
@@ -228,6 +243,29 @@ class RedisLedger:
     def add_listener(self, callback: Callable[[str], None]) -> None:
         """Called with a backend name whenever capacity there may have come back."""
         self._upkeep.add_listener(callback)
+
+    def add_prefix_listener(self, callback: Callable[[str], None]) -> None:
+        """Called with a backend name when the mirror of what every replica holds ready
+        there changed (`proxy.prefix_mirror`)."""
+        self._prefix_listeners.append(callback)
+
+    async def _mirror_loop(self) -> None:
+        """Read the mirror every interval; tell the prefix listeners what changed. A read
+        that fails keeps the last one (placement's guess, never a charge); the refresh
+        pass is what notices and reports an outage."""
+        assert self._client is not None
+        while True:
+            await asyncio.sleep(self._mirror_s)
+            try:
+                changed = await self._mirror.refresh(self._client, self._backends)
+            except REDIS_ERRORS:
+                continue
+            for backend in changed:
+                for callback in self._prefix_listeners:
+                    try:
+                        callback(backend)
+                    except Exception:
+                        log.exception("a prefix listener failed on %s", backend)
 
     def keys(self, backend: str) -> list[str]:
         tag = f"{self._prefix}:{{{backend}}}"
@@ -443,20 +481,28 @@ class RedisLedger:
         return 0 if live is None else live.shared
 
     def ready_blocks(self, backend: str, blocks: Sequence[str]) -> int:
-        """From this replica's own live leases: what placement needs is a good guess of
-        where a prefix lives; the reserve script charges from Redis' exact refs."""
-        ready = self._local_ready.get(backend)
-        return leading_run(blocks, ready) if ready else 0
+        """From this replica's own live leases, and the mirror of every replica's: what
+        placement needs is a good guess of where a prefix lives; the reserve script
+        charges from Redis' exact refs. Both sets are closed towards the root, and so
+        is their union (the binary search of `leading_run`)."""
+        own = self._local_ready.get(backend) or _NONE
+        mirrored = self._mirror.ready(backend)
+        if not mirrored:
+            return leading_run(blocks, own) if own else 0
+        return leading_run(blocks, _Either(own, mirrored))
 
     def holds(self, backend: str, key: str) -> bool:
-        """This replica's view, as `ready_blocks`."""
+        """Referenced by a live lease of this replica (answered or not), or ready in the
+        mirror of every replica's (one still in prefill elsewhere is not seen)."""
         pins = self._local_refs.get(backend)
-        return pins is not None and key in pins
+        return (pins is not None and key in pins) or key in self._mirror.ready(backend)
 
     def shared_resident(self, backend: str) -> int:
-        """This replica's view: blocks its own live leases reference."""
+        """Blocks live leases reference: this replica's own now, or every replica's as
+        the mirror last read them, whichever is more."""
         pins = self._local_refs.get(backend)
-        return (len(pins) if pins is not None else 0) * self._block_tokens.get(backend, 0)
+        own = (len(pins) if pins is not None else 0) * self._block_tokens.get(backend, 0)
+        return max(own, self._mirror.referenced_tokens(backend))
 
     def resident(self, backend: str) -> int:
         return self._resident.get(backend)
@@ -469,3 +515,18 @@ class RedisLedger:
         assert self._client is not None
         value = await self._client.get(self.keys(backend)[0])
         return int(value or 0)
+
+
+_NONE: frozenset[str] = frozenset()
+
+
+class _Either:
+    """Membership in either of two sets, without building their union."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, a: Container[str], b: Container[str]) -> None:
+        self._a, self._b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._a or key in self._b

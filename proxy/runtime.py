@@ -37,6 +37,7 @@ def make_ledger(config: KvgateConfig) -> Ledger:
             key_prefix=config.ledger.key_prefix,
             lease_ttl_s=config.ledger.lease_ttl_s,
             refresh_interval_s=config.ledger.refresh_interval_s,
+            prefix_mirror_interval_s=config.ledger.prefix_mirror_interval_s,
         )
     return MemoryLedger()
 

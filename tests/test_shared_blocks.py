@@ -907,3 +907,138 @@ def test_a_group_s_requests_from_two_replicas_seed_its_prefix_on_one_backend() -
             lease.release()
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ across replicas
+# A replica places by where prefixes live; those another replica's leases hold reach it
+# through the mirror of Redis' ready sets (`proxy.prefix_mirror`).
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not check():
+        assert loop.time() < end, "not within the time allowed"
+        await asyncio.sleep(0.01)
+
+
+def _replica(server: RedisServer, prefix: str, mirror_s: float) -> RedisLedger:
+    return RedisLedger(server.url, backends=["b0", "b1"], key_prefix=prefix,
+                       recovery_window_s=0, refresh_interval_s=0.05,
+                       prefix_mirror_interval_s=mirror_s)
+
+
+def test_a_replica_sees_the_prefixes_another_replica_holds_ready(
+    redis_server: RedisServer,
+) -> None:
+    """A's lease on b0 answers with a 320-token prefix: B, which holds nothing, reads it
+    ready there within a mirror interval (and is told so), counts its blocks among
+    b0's shared ones, and sees it go when A releases it. With the mirror off it never
+    sees it."""
+    blocks = [key(30, i) for i in range(20)]
+
+    async def scenario() -> None:
+        a, b, off = (_replica(redis_server, "mx", s) for s in (0.05, 0.05, 0.0))
+        told: list[str] = []
+        b.add_prefix_listener(told.append)
+        for led in (a, b, off):
+            await led.start()
+        try:
+            assert await a.reserve("b0", "la", 400, 2000, blocks, BT)
+            await asyncio.sleep(0.2)  # registered, not ready: placement waits for it
+            assert b.ready_blocks("b0", blocks) == 0 and "b0" not in told
+            a.mark_ready("la")
+            await a.drain()
+            await _until(lambda: "b0" in told)
+            assert b.ready_blocks("b0", blocks) == 20
+            assert b.ready_blocks("b0", [*blocks[:5], key(31, 0)]) == 5
+            assert b.ready_blocks("b1", blocks) == 0
+            assert b.holds("b0", blocks[-1]) and not b.holds("b1", blocks[-1])
+            assert b.shared_resident("b0") == 320 and b.shared_resident("b1") == 0
+            assert off.ready_blocks("b0", blocks) == 0 and off.shared_resident("b0") == 0
+            told.clear()
+            a.release("la")
+            await a.drain()
+            await _until(lambda: "b0" in told)
+            assert b.ready_blocks("b0", blocks) == 0 and b.shared_resident("b0") == 0
+            assert not b.holds("b0", blocks[0])
+        finally:
+            for led in (a, b, off):
+                await led.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_places_a_prefix_where_another_replica_holds_it(
+    redis_server: RedisServer,
+) -> None:
+    """A group's prefix lives on b0, through replica A, though its rendezvous seed is
+    b1. Replica B's request of the group goes to b0 and is charged only what it does
+    not share; with the mirror off, B seeds a second copy on b1 and pays it whole."""
+    prefix = seeded_on("b1", ["b0", "b1"], 40)  # 640 tokens
+
+    async def scenario(mirror_s: float, name: str) -> tuple[str, int]:
+        a, b = _replica(redis_server, name, 0.05), _replica(redis_server, name, mirror_s)
+        for led in (a, b):
+            await led.start()
+        try:
+            assert await a.reserve("b0", "la", 1000, 4000, prefix, BT)
+            a.mark_ready("la")
+            await a.drain()
+            c = sharing_controller(b, [4000, 4000], placement=PlacementName.LEAST_RESIDENT)
+            await _until(lambda: b.resident("b0") == 1000)  # B's view of A's reserve
+            await asyncio.sleep(3 * max(mirror_s, 0.05))
+            lease = await c.try_acquire(prefixed(900, [*prefix, key(32, 0)]))
+            assert lease is not None
+            where = (lease.backend.name, lease.shared_tokens)
+            lease.release()
+            a.release("la")
+            for led in (a, b):
+                await led.drain()
+                assert [await led.resident_now(n) for n in ("b0", "b1")] == [0, 0]
+            return where
+        finally:
+            for led in (a, b):
+                await led.close()
+
+    assert asyncio.run(scenario(0.05, "pa")) == ("b0", 640)
+    assert asyncio.run(scenario(0.0, "pb")) == ("b1", 0)
+
+
+def test_a_waiter_takes_the_prefix_another_replica_readies(
+    redis_server: RedisServer,
+) -> None:
+    """W, on replica B, fits nowhere whole (b0 600 free, b1 500) and shares nothing
+    yet: it waits. Replica A's lease on b0 answers with W's 320-token prefix; B's
+    mirror learns it, forgets W's remembered figures for b0 and runs dispatch: W takes
+    b0 for the 300 tokens it does not share, long before its deadline."""
+    prefix = [key(33, i) for i in range(20)]
+
+    async def scenario() -> None:
+        a, b = _replica(redis_server, "pw", 0.05), _replica(redis_server, "pw", 0.05)
+        for led in (a, b):
+            await led.start()
+        try:
+            assert await a.reserve("b0", "f0", 1000, 2000)
+            assert await a.reserve("b1", "f1", 1500, 2000)
+            assert await a.reserve("b0", "la", 400, 2000, prefix, BT)  # b0: 1,400
+            c = sharing_controller(b, [2000, 2000])
+            await _until(lambda: (b.resident("b0"), b.resident("b1")) == (1400, 1500))
+            w = asyncio.ensure_future(c.acquire(prefixed(620, [*prefix, key(34, 0)]), soon(10)))
+            await asyncio.sleep(0.3)
+            assert not w.done() and c.queue_depth == 1 and c.prefixes.remembered == 1
+            a.mark_ready("la")
+            lease = await asyncio.wait_for(w, 2)
+            assert (lease.backend.name, lease.shared_tokens) == ("b0", 320)
+            assert await b.resident_now("b0") == 1700
+            lease.release()
+            for lease_id in ("f0", "f1", "la"):
+                a.release(lease_id)
+            for led in (a, b):
+                await led.drain()
+            assert [await a.resident_now(n) for n in ("b0", "b1")] == [0, 0]
+        finally:
+            for led in (a, b):
+                await led.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,78 @@
+"""What every replica holds ready in shared blocks, read from Redis for placement.
+
+Placement asks where a request's prefix lives (`proxy.prefix_view`). Each replica
+knows its own leases at once, but a group whose first requests came through another
+replica is held on a backend this one knows nothing of: it seeds the prefix again
+elsewhere, and the engines there compute and hold a second copy. Three replicas on one
+Redis, G at 3x, served 0.70x of the same replicas with every client sent to one of them
+(benchmarks/README.md, "Three replicas on one Redis").
+
+So each replica reads, every `interval_s`, each backend's ready set (`<prefix>:{b}:ready`,
+the blocks some live lease references and has answered with) and the size of its refs
+hash (every block referenced, ready or not) times its block size, in one pipelined
+round trip. Placement
+reads the union of that and its own view: a guess of where a prefix lives, at most
+one interval old. What a lease is charged is still decided by the reserve script on
+Redis' exact refs, so a stale mirror costs a placement, never the ceiling.
+
+The cost is the ready sets' size, which the pools bound: every ready block is held in
+a pool. 16-byte keys, one per block: a 16,384-token pool in 16-token blocks is at most
+1,024 keys (16 kB) a pass; a 500,000-token pool at most 31,250 (0.5 MB). Backends
+whose ready set is empty cost one empty reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from proxy.redis_scripts import REFS_WIDE_FIELD
+
+__all__ = ["PrefixMirror"]
+
+_EMPTY: frozenset[str] = frozenset()
+
+
+class PrefixMirror:
+    """Per backend, the ready block keys and the tokens of the referenced ones, as Redis
+    last said: `refresh` reads them, `ready` and `referenced_tokens` answer from the
+    last read."""
+
+    __slots__ = ("_keys", "_ready", "_referenced")
+
+    def __init__(self, keys: Callable[[str], list[str]]) -> None:
+        self._keys = keys  # a backend's Redis keys (`RedisLedger.keys`)
+        self._ready: dict[str, frozenset[str]] = {}
+        self._referenced: dict[str, int] = {}
+
+    def ready(self, backend: str) -> frozenset[str]:
+        return self._ready.get(backend, _EMPTY)
+
+    def referenced_tokens(self, backend: str) -> int:
+        """Tokens of the distinct blocks live leases reference there, ready or not."""
+        return self._referenced.get(backend, 0)
+
+    async def refresh(self, client: aioredis.Redis, backends: Sequence[str]) -> list[str]:
+        """Read every backend's ready set and refs count in one round trip; -> the
+        backends whose ready set changed. Raises Redis' errors (the caller's loop
+        keeps the last read)."""
+        pipe = client.pipeline(transaction=False)
+        for backend in backends:
+            keys = self._keys(backend)
+            pipe.smembers(keys[4])
+            pipe.hlen(keys[3])
+            pipe.hexists(keys[3], REFS_WIDE_FIELD)
+            pipe.hget(keys[1], "=bt")
+        replies: list[Any] = await pipe.execute()
+        changed = []
+        for i, backend in enumerate(backends):
+            members, fields, wide, bt = replies[4 * i: 4 * i + 4]
+            ready = frozenset(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+            blocks = max(0, int(fields) - (1 if wide else 0))
+            self._referenced[backend] = blocks * int(bt or 0)
+            if ready != self._ready.get(backend, _EMPTY):
+                self._ready[backend] = ready
+                changed.append(backend)
+        return changed
