@@ -66,12 +66,17 @@ class PrefixMirror:
             pipe.hexists(keys[3], REFS_WIDE_FIELD)
             pipe.hget(keys[1], "=bt")
         replies: list[Any] = await pipe.execute()
-        changed = []
+        # read all before changing anything: a reply that cannot be read leaves the last
+        # read whole (the listeners are told of every change, or of none)
+        read = []
         for i, backend in enumerate(backends):
             members, fields, wide, bt = replies[4 * i: 4 * i + 4]
             ready = frozenset(m.decode() if isinstance(m, bytes) else str(m) for m in members)
             blocks = max(0, int(fields) - (1 if wide else 0))
-            self._referenced[backend] = blocks * int(bt or 0)
+            read.append((backend, ready, blocks * int(bt or 0)))
+        changed = []
+        for backend, ready, referenced in read:
+            self._referenced[backend] = referenced
             if ready != self._ready.get(backend, _EMPTY):
                 self._ready[backend] = ready
                 changed.append(backend)

@@ -252,14 +252,24 @@ class RedisLedger:
     async def _mirror_loop(self) -> None:
         """Read the mirror every interval; tell the prefix listeners what changed. A read
         that fails keeps the last one (placement's guess, never a charge); the refresh
-        pass is what notices and reports an outage."""
+        pass is what notices and reports an outage. Anything else it raises (a bug, a
+        reply it cannot read) is logged, once while it repeats, and the loop goes on."""
         assert self._client is not None
+        said = ""
         while True:
             await asyncio.sleep(self._mirror_s)
             try:
                 changed = await self._mirror.refresh(self._client, self._backends)
             except REDIS_ERRORS:
                 continue
+            except Exception as exc:
+                if repr(exc) != said:
+                    said = repr(exc)
+                    log.error("shared ledger: reading where the other replicas hold "
+                              "prefixes failed; tried again every %.1f s", self._mirror_s,
+                              exc_info=exc)
+                continue
+            said = ""
             for backend in changed:
                 for callback in self._prefix_listeners:
                     try:

@@ -1042,3 +1042,41 @@ def test_a_waiter_takes_the_prefix_another_replica_readies(
                 await led.close()
 
     asyncio.run(scenario())
+
+
+def test_a_mirror_reply_it_cannot_read_is_logged_once_and_the_last_read_stands(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Something else wrote b1's block size as text: B's mirror (A's is off) logs it
+    once, keeps what it last read of b0 (A's ready prefix), and reads on once the
+    field is whole."""
+    blocks = [key(35, i) for i in range(8)]
+
+    async def scenario() -> None:
+        a, b = _replica(redis_server, "mb", 0.0), _replica(redis_server, "mb", 0.05)
+        told: list[str] = []
+        b.add_prefix_listener(told.append)
+        for led in (a, b):
+            await led.start()
+        admin = aioredis.Redis.from_url(redis_server.url)
+        try:
+            assert await a.reserve("b0", "la", 200, 2000, blocks, BT)
+            a.mark_ready("la")
+            await a.drain()
+            await _until(lambda: b.ready_blocks("b0", blocks) == 8)
+            await admin.hset(b.keys("b1")[1], "=bt", "sixteen")
+            a.release("la")
+            await a.drain()
+            await asyncio.sleep(0.5)  # ten passes, each failing
+            failures = [r for r in caplog.records if "prefixes failed" in r.getMessage()]
+            assert len(failures) == 1
+            assert b.ready_blocks("b0", blocks) == 8 and told == ["b0"]
+            await admin.hset(b.keys("b1")[1], "=bt", "16")
+            await _until(lambda: b.ready_blocks("b0", blocks) == 0)
+            assert told == ["b0", "b0"]
+        finally:
+            await admin.aclose()
+            for led in (a, b):
+                await led.close()
+
+    asyncio.run(scenario())
