@@ -83,8 +83,7 @@ class AdmissionController(BackendWriter):
         self._tasks: set[asyncio.Task[None]] = set()
         self.release_rate = ReleaseRate()
         # per backend, how much of a demand's prefix it holds (`proxy.prefix_view`)
-        self.prefixes = PrefixView(ledger)
-        ledger.add_prefix_listener(self._prefixes_refreshed)
+        self.prefixes = PrefixView(ledger, self._by_name, on_change=self.kick)
         self._on_event = on_event or (lambda _kind, _lease: None)
         # Adaptive reservation: what a followed demand should hold now. A waiter sized
         # by the cold-start rule is sized anew from the history once there is one.
@@ -396,13 +395,6 @@ class AdmissionController(BackendWriter):
         self.release_rate.record(lease.tokens)
         self._on_event("release", lease)
         self.kick()
-
-    def _prefixes_refreshed(self, backend: str) -> None:
-        """Another replica's leases changed where prefixes live on `backend`: the
-        waiters' figures there are read again, and may place one now."""
-        if backend in self._by_name:
-            self.prefixes.refreshed(backend)
-            self.kick()
 
     def kick(self) -> None:
         """Run dispatch soon; safe to call from sync code, coalesces bursts of calls."""

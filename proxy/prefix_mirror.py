@@ -24,16 +24,34 @@ whose ready set is empty cost one empty reply.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import logging
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from proxy.chain_pins import leading_run
+from proxy.redis_faults import REDIS_ERRORS
 from proxy.redis_scripts import REFS_WIDE_FIELD
 
 __all__ = ["PrefixMirror"]
 
+log = logging.getLogger("kvgate.ledger")
+
 _EMPTY: frozenset[str] = frozenset()
+
+
+class _Either:
+    """Membership in either of two sets, without building their union."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, a: Container[str], b: Container[str]) -> None:
+        self._a, self._b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._a or key in self._b
 
 
 class PrefixMirror:
@@ -41,19 +59,59 @@ class PrefixMirror:
     last said: `refresh` reads them, `ready` and `referenced_tokens` answer from the
     last read."""
 
-    __slots__ = ("_keys", "_ready", "_referenced")
+    __slots__ = ("_keys", "_listeners", "_ready", "_referenced")
 
     def __init__(self, keys: Callable[[str], list[str]]) -> None:
         self._keys = keys  # a backend's Redis keys (`RedisLedger.keys`)
         self._ready: dict[str, frozenset[str]] = {}
         self._referenced: dict[str, int] = {}
+        self._listeners: list[Callable[[str], None]] = []
+
+    def add_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(backend)` after a refresh that changed its ready set."""
+        self._listeners.append(callback)
 
     def ready(self, backend: str) -> frozenset[str]:
         return self._ready.get(backend, _EMPTY)
 
+    def leading(self, backend: str, blocks: Sequence[str], own: Container[str]) -> int:
+        """How many leading `blocks` are ready here or in `own` (this replica's ready
+        ones). Both are closed towards the root, and so is their union: the binary
+        search of `leading_run` holds."""
+        ready = self._ready.get(backend)
+        return leading_run(blocks, _Either(own, ready) if ready else own)
+
     def referenced_tokens(self, backend: str) -> int:
         """Tokens of the distinct blocks live leases reference there, ready or not."""
         return self._referenced.get(backend, 0)
+
+    async def run(self, client: aioredis.Redis, backends: Sequence[str],
+                  interval_s: float) -> None:
+        """Refresh every interval; tell the listeners what changed. A read that fails
+        keeps the last one (placement's guess, never a charge); the ledger's refresh
+        pass is what notices and reports an outage. Anything else it raises (a bug, a
+        reply it cannot read) is logged, once while it repeats, and the loop goes on."""
+        said = ""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                changed = await self.refresh(client, backends)
+            except REDIS_ERRORS:
+                continue
+            except Exception as exc:
+                if repr(exc) != said:
+                    said = repr(exc)
+                    log.error("shared ledger: reading where the other replicas hold "
+                              "prefixes failed; tried again every %.1f s", interval_s,
+                              exc_info=exc)
+                continue
+            said = ""
+            for backend in changed:
+                for callback in self._listeners:
+                    try:
+                        callback(backend)
+                    except Exception:
+                        log.exception("a prefix listener failed on %s", backend)
 
     async def refresh(self, client: aioredis.Redis, backends: Sequence[str]) -> list[str]:
         """Read every backend's ready set and refs count in one round trip; -> the

@@ -36,7 +36,7 @@ no choice worth making, while a unique 1,000-token prompt at 16-token blocks rem
 
 One more thing changes what a ledger reports ready: the Redis ledger's mirror of every
 replica's ready blocks (`proxy.prefix_mirror`), read every second or so. Its listener
-(`refreshed`) forgets every figure of the backend whose mirror changed. So a
+(`_changed_elsewhere`) forgets every figure of the backend whose mirror changed. So a
 remembered figure is always the one a scan would give now; the tests hold the two
 side by side over random events. A demand that repeats a key (no hash chain does, but
 the keys are opaque here) is not remembered: a key's position in it would not be
@@ -44,6 +44,8 @@ unique.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Container
 
 from policies.placement import Seeding
 from proxy.leases import Backend, Demand, Lease
@@ -83,12 +85,16 @@ class _Memo:
 class PrefixView:
     """Per backend: the recent-blocks model, and the figures of the waiting demands."""
 
-    __slots__ = ("_ledger", "_memos", "_recent")
+    __slots__ = ("_backends", "_ledger", "_memos", "_on_change", "_recent")
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, backends: Container[str] = (), *,
+                 on_change: Callable[[], None] | None = None) -> None:
         self._ledger = ledger
         self._recent: dict[str, RecentBlocks] = {}  # per backend: `proxy.recent_blocks`
         self._memos: dict[object, _Memo] = {}  # per waiting owner
+        self._backends = backends  # those whose changes through other replicas count
+        self._on_change = on_change
+        ledger.add_prefix_listener(self._changed_elsewhere)
 
     @property
     def remembered(self) -> int:
@@ -147,11 +153,16 @@ class PrefixView:
         hits = recent.leading(blocks[stride - 1::stride], first)
         return ready, (first + hits) * stride - ready if hits else 0
 
-    def refreshed(self, backend: str) -> None:
+    def _changed_elsewhere(self, backend: str) -> None:
         """The ledger's view of `backend` changed through another replica
-        (`Ledger.add_prefix_listener`): every figure there may be stale."""
+        (`Ledger.add_prefix_listener`): every figure there may be stale, and a waiter
+        may be placed now (`on_change`)."""
+        if backend not in self._backends:
+            return
         for memo in self._memos.values():
             memo.on.pop(backend, None)
+        if self._on_change is not None:
+            self._on_change()
 
     def forget(self, owner: object) -> None:
         """The owner left the queue."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -45,7 +45,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from proxy.chain_pins import ChainPins, leading_run
+from proxy.chain_pins import ChainPins
 from proxy.errors import LedgerUnavailable
 from proxy.prefix_mirror import PrefixMirror
 from proxy.redis_faults import REDIS_ERRORS, unreachable
@@ -110,7 +110,6 @@ class RedisLedger:
         # and every replica's, as Redis holds them (`proxy.prefix_mirror`)
         self._mirror = PrefixMirror(self.keys)
         self._mirror_s = prefix_mirror_interval_s
-        self._prefix_listeners: list[Callable[[str], None]] = []
         # releases, ready marks and renewals for the upkeep's worker, in order
         self._ops: asyncio.Queue[Op] = asyncio.Queue()
         # the epoch each backend's leases were last registered under: the upkeep learns
@@ -164,7 +163,8 @@ class RedisLedger:
             loop.create_task(self._upkeep.maintain()),
         ]
         if self._mirror_s > 0:
-            self._tasks.append(loop.create_task(self._mirror_loop()))
+            self._tasks.append(loop.create_task(
+                self._mirror.run(self._client, self._backends, self._mirror_s)))
         self._tasks.append(loop.create_task(self._upkeep.listen()))
         wait_s = self._upkeep.rebuilding_left_s()
         if wait_s > 0:
@@ -247,35 +247,7 @@ class RedisLedger:
     def add_prefix_listener(self, callback: Callable[[str], None]) -> None:
         """Called with a backend name when the mirror of what every replica holds ready
         there changed (`proxy.prefix_mirror`)."""
-        self._prefix_listeners.append(callback)
-
-    async def _mirror_loop(self) -> None:
-        """Read the mirror every interval; tell the prefix listeners what changed. A read
-        that fails keeps the last one (placement's guess, never a charge); the refresh
-        pass is what notices and reports an outage. Anything else it raises (a bug, a
-        reply it cannot read) is logged, once while it repeats, and the loop goes on."""
-        assert self._client is not None
-        said = ""
-        while True:
-            await asyncio.sleep(self._mirror_s)
-            try:
-                changed = await self._mirror.refresh(self._client, self._backends)
-            except REDIS_ERRORS:
-                continue
-            except Exception as exc:
-                if repr(exc) != said:
-                    said = repr(exc)
-                    log.error("shared ledger: reading where the other replicas hold "
-                              "prefixes failed; tried again every %.1f s", self._mirror_s,
-                              exc_info=exc)
-                continue
-            said = ""
-            for backend in changed:
-                for callback in self._prefix_listeners:
-                    try:
-                        callback(backend)
-                    except Exception:
-                        log.exception("a prefix listener failed on %s", backend)
+        self._mirror.add_listener(callback)
 
     def keys(self, backend: str) -> list[str]:
         tag = f"{self._prefix}:{{{backend}}}"
@@ -495,11 +467,7 @@ class RedisLedger:
         placement needs is a good guess of where a prefix lives; the reserve script
         charges from Redis' exact refs. Both sets are closed towards the root, and so
         is their union (the binary search of `leading_run`)."""
-        own = self._local_ready.get(backend) or _NONE
-        mirrored = self._mirror.ready(backend)
-        if not mirrored:
-            return leading_run(blocks, own) if own else 0
-        return leading_run(blocks, _Either(own, mirrored))
+        return self._mirror.leading(backend, blocks, self._local_ready.get(backend) or ())
 
     def holds(self, backend: str, key: str) -> bool:
         """Referenced by a live lease of this replica (answered or not), or ready in the
@@ -526,17 +494,3 @@ class RedisLedger:
         value = await self._client.get(self.keys(backend)[0])
         return int(value or 0)
 
-
-_NONE: frozenset[str] = frozenset()
-
-
-class _Either:
-    """Membership in either of two sets, without building their union."""
-
-    __slots__ = ("_a", "_b")
-
-    def __init__(self, a: Container[str], b: Container[str]) -> None:
-        self._a, self._b = a, b
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._a or key in self._b
