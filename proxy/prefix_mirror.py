@@ -32,7 +32,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from proxy.chain_pins import leading_run
-from proxy.redis_faults import REDIS_ERRORS
+from proxy.redis_faults import REDIS_ERRORS, Repeats, fault
 from proxy.redis_scripts import REFS_WIDE_FIELD
 
 __all__ = ["PrefixMirror"]
@@ -90,8 +90,9 @@ class PrefixMirror:
         """Refresh every interval; tell the listeners what changed. A read that fails
         keeps the last one (placement's guess, never a charge); the ledger's refresh
         pass is what notices and reports an outage. Anything else it raises (a bug, a
-        reply it cannot read) is logged, once while it repeats, and the loop goes on."""
-        said = ""
+        reply it cannot read) is logged (once per 30 s while it repeats: `Repeats`), and
+        the loop goes on."""
+        repeats = Repeats()
         while True:
             await asyncio.sleep(interval_s)
             try:
@@ -99,13 +100,11 @@ class PrefixMirror:
             except REDIS_ERRORS:
                 continue
             except Exception as exc:
-                if repr(exc) != said:
-                    said = repr(exc)
-                    log.error("shared ledger: reading where the other replicas hold "
-                              "prefixes failed; tried again every %.1f s", interval_s,
-                              exc_info=exc)
+                repeats.log(("prefix mirror", *fault(exc)), logging.ERROR,
+                            "shared ledger: reading where the other replicas hold "
+                            "prefixes failed; tried again every %.1f s", interval_s,
+                            exc_info=exc)
                 continue
-            said = ""
             for backend in changed:
                 for callback in self._listeners:
                     try:
