@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,11 @@ import aiohttp
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import Proc, start_proxy, start_sim
+from policies.placement import seed_score
+from proxy.leases import Demand
+from proxy.prefix_view import PrefixView
+from proxy.tokenize import ChatRequest, load_counter
+from tests.support.procs import QWEN, Proc, start_proxy, start_sim
 from tests.support.redis_server import RedisServer, block_fields
 from tests.support.servers import wait_status
 from tests.support.tasks import stop
@@ -356,3 +361,120 @@ def test_three_replicas_share_prefixes_under_3x_overload_and_end_at_zero(
                     assert r.scard(f"kvgate-test:{{{b}}}:ready") == 0, b
 
         asyncio.run(scenario())
+
+
+def system_seeded_on(backend: str) -> tuple[str, Callable[[str], tuple[str, ...]]]:
+    """A ~700-token system prompt that placement seeds on `backend` where no replica knows
+    of a copy (rendezvous over its opening), and the block keys of a chat that opens
+    with it, as kvgate counts them."""
+    counter = load_counter(QWEN, name="qwen3-14b")
+    for g in itertools.count():
+        system = " ".join(f"Desk {g} rule {i}: answer briefly, cite the rule." for i in range(60))
+
+        def keys(question: str, system: str = system) -> tuple[str, ...]:
+            chat = ChatRequest(messages=[{"role": "system", "content": system},
+                                         {"role": "user", "content": question}])
+            return tuple(counter.count_chat_keys(chat, 16, "qwen3-14b\0")[1])
+
+        seed = PrefixView.seed_key(Demand(tokens=1, prompt_tokens=1, max_tokens=1,
+                                          blocks=keys("q"), block_tokens=16))
+        assert seed is not None
+        if max(BACKENDS, key=lambda b, seed=seed: seed_score(seed, b)) == backend:
+            return system, keys
+    raise AssertionError("unreachable")
+
+
+def test_a_replica_places_a_request_where_another_replicas_lease_holds_its_prefix(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Replica A serves only gpu-1; its streamed answer holds a ~700-token system prompt
+    there whose seed, where nobody knows of a copy, is gpu-0. Replica B (prefix mirror
+    every 0.2 s) reads that prefix ready on gpu-1 through Redis and sends its own chat
+    with that system prompt there: charged only the blocks it does not share, a prefix
+    hit in gpu-1's engine. Replica C (mirror off) knows its own leases only: it seeds
+    the prompt on gpu-0, charged whole and computed again. At the end nothing is held."""
+    system, keys = system_seeded_on("gpu-0")
+    r = redis.Redis.from_url(redis_server.url)
+    sims = [start_sim(tmp_path, kv_tokens=16384, decode_step_ms=20.0, name=f"sim{i}")
+            for i in range(2)]
+    procs: list[Proc] = list(sims)
+    try:
+        a, b, c = (start_proxy(tmp_path, name=name, redis_url=redis_server.url, sims=sims,
+                               kv_tokens=16384, only=only, prefix_mirror_s=mirror)
+                   for name, only, mirror in (("a", [1], 0.2), ("b", None, 0.2),
+                                              ("c", None, 0.0)))
+        procs += [a, b, c]
+        for p in procs:
+            p.wait_ready()
+
+        def chat(question: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+            return {"model": "qwen3-14b", "max_tokens": max_tokens, "stream": stream,
+                    "messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": question}]}
+
+        async def shared_resident(s: aiohttp.ClientSession, proxy: Proc) -> dict[str, int]:
+            async with s.get(f"{proxy.url}/admin/state") as resp:
+                state = await resp.json()
+            return {name: view["shared_prefix_resident_tokens"]
+                    for name, view in state["models"]["qwen3-14b"]["backends"].items()}
+
+        def finished(now: list[dict[str, Any]], then: list[dict[str, Any]]) -> list[int]:
+            return [x["finished"] - y["finished"] for x, y in zip(now, then, strict=True)]
+
+        async def ask(s: aiohttp.ClientSession, proxy: Proc, question: str) -> int:
+            async with s.post(f"{proxy.url}/v1/chat/completions",
+                              json=chat(question, 4, False)) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+                return int(resp.headers["x-kvgate-shared-prefix-tokens"])
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                await wait_ready(s, [a, b, c])
+                async with s.post(f"{a.url}/v1/chat/completions",
+                                  json=chat("Which rule comes first?", 200, True)) as held:
+                    assert held.status == 200
+                    await held.content.readany()  # answering: its prefix is ready on gpu-1
+                    async with asyncio.timeout(5):  # B's mirror has read A's blocks...
+                        while (await shared_resident(s, b))["gpu-1"] == 0:
+                            await asyncio.sleep(0.05)
+                    await asyncio.sleep(1.0)  # ...and, five reads on, them ready
+                    assert await shared_resident(s, c) == {"gpu-0": 0, "gpu-1": 0}
+                    before = [await sim_state(s, sim) for sim in sims]
+
+                    # B: to gpu-1, charged only what A's lease does not already hold
+                    leading = 0
+                    for mine, held_key in zip(keys("Which rule is last?"),
+                                              keys("Which rule comes first?"), strict=False):
+                        if mine != held_key:
+                            break
+                        leading += 1
+                    assert leading >= 40  # the system prompt's blocks
+                    assert await ask(s, b, "Which rule is last?") == 16 * leading
+                    after_b = [await sim_state(s, sim) for sim in sims]
+                    assert finished(after_b, before) == [0, 1]
+                    assert after_b[1]["prefix_cache_hits"] - before[1]["prefix_cache_hits"] \
+                        >= 16 * leading
+
+                    # C, mirror off: seeds a copy on gpu-0 and pays for all of it
+                    assert await ask(s, c, "Which rule is next?") == 0
+                    after_c = [await sim_state(s, sim) for sim in sims]
+                    assert finished(after_c, after_b) == [1, 0]
+                    assert after_c[0]["prefix_cache_hits"] == before[0]["prefix_cache_hits"]
+                    assert held.headers["x-kvgate-shared-prefix-tokens"] == "0"
+                    await held.read()  # A's answer to its end
+
+                async with asyncio.timeout(10):
+                    while any(int(v or 0) for v in r.mget([resident_key(n) for n in BACKENDS])):
+                        await asyncio.sleep(0.05)
+                for n in BACKENDS:
+                    assert block_fields(r.hkeys(f"kvgate-test:{{{n}}}:refs")) == [], n
+                    assert r.scard(f"kvgate-test:{{{n}}}:ready") == 0, n
+                async with asyncio.timeout(5):
+                    while any([(await shared_resident(s, p)).get("gpu-1") for p in (a, b)]):
+                        await asyncio.sleep(0.05)  # the mirror's next read: nothing ready
+
+        asyncio.run(scenario())
+    finally:
+        for p in procs:
+            p.kill()

@@ -40,20 +40,25 @@ def start_sim(tmp: Path, *, kv_tokens: int, decode_step_ms: float, name: str,
 
 def start_proxy(tmp: Path, *, name: str, redis_url: str, sims: list[Proc], kv_tokens: int,
                 ttl_s: float = 2.0, queue: dict[str, Any] | None = None,
-                reservation: str = "strict", adaptive: dict[str, Any] | None = None) -> Proc:
-    """A `kvgate serve` process on the shared Redis ledger; the config is written as data."""
+                reservation: str = "strict", adaptive: dict[str, Any] | None = None,
+                only: list[int] | None = None, prefix_mirror_s: float | None = None) -> Proc:
+    """A `kvgate serve` process on the shared Redis ledger; the config is written as data.
+    Backend i is `gpu-i` in front of `sims[i]` (`only`: just those indices)."""
     port = free_port()
     config = {
         "server": {"listen": f"127.0.0.1:{port}", "health_interval_s": 0.5},
         "queue": {"max_depth": 32, "default_deadline_s": 3.0, **(queue or {})},
         "ledger": {"kind": "redis", "url": redis_url, "lease_ttl_s": ttl_s,
-                   "refresh_interval_s": 0.2, "key_prefix": "kvgate-test"},
+                   "refresh_interval_s": 0.2, "key_prefix": "kvgate-test",
+                   **({} if prefix_mirror_s is None
+                      else {"prefix_mirror_interval_s": prefix_mirror_s})},
         "models": [{
             "name": "qwen3-14b", "path": str(QWEN), "max_model_len": 8192,
             "reservation": reservation,
             **({"adaptive": adaptive} if adaptive else {}),
             "deployment": {"kv_tokens": kv_tokens, "block_size": 16},
-            "backends": [{"name": f"gpu-{i}", "url": s.url} for i, s in enumerate(sims)],
+            "backends": [{"name": f"gpu-{i}", "url": s.url} for i, s in enumerate(sims)
+                         if only is None or i in only],
         }],
     }
     path = tmp / f"{name}.toml"
