@@ -443,12 +443,10 @@ def test_a_replica_places_a_request_where_another_replicas_lease_holds_its_prefi
                     before = [await sim_state(s, sim) for sim in sims]
 
                     # B: to gpu-1, charged only what A's lease does not already hold
-                    leading = 0
-                    for mine, held_key in zip(keys("Which rule is last?"),
-                                              keys("Which rule comes first?"), strict=False):
-                        if mine != held_key:
-                            break
-                        leading += 1
+                    leading = sum(1 for _ in itertools.takewhile(
+                        lambda pair: pair[0] == pair[1],
+                        zip(keys("Which rule is last?"), keys("Which rule comes first?"),
+                            strict=False)))
                     assert leading >= 40  # the system prompt's blocks
                     assert await ask(s, b, "Which rule is last?") == 16 * leading
                     after_b = [await sim_state(s, sim) for sim in sims]
@@ -472,7 +470,7 @@ def test_a_replica_places_a_request_where_another_replicas_lease_holds_its_prefi
                     assert r.scard(f"kvgate-test:{{{n}}}:ready") == 0, n
                 async with asyncio.timeout(5):
                     while any([(await shared_resident(s, p)).get("gpu-1") for p in (a, b)]):
-                        await asyncio.sleep(0.05)  # the mirror's next read: nothing ready
+                        await asyncio.sleep(0.05)  # the mirrors' next read: nothing held
 
         asyncio.run(scenario())
     finally:
