@@ -94,9 +94,8 @@ class AdmissionController(BackendWriter):
         # Tokens by which followed leases overstate what they will hold at once (they
         # end at different times): admissions may fill them (adaptive reservation).
         self.overlap_credit: Callable[[Backend, Demand | None], int] | None = None
-        # Live leases that wanted to grow and found no room. Running requests come
-        # first (as in an engine's own scheduler): room that opens goes to them before
-        # any waiter, and admission leaves their shortfall free.
+        # Live leases that wanted to grow and found no room: running requests come first
+        # (as in an engine's scheduler), so admission leaves their shortfall free.
         self._short: dict[str, Lease] = {}
 
     # ------------------------------------------------------------------ views
@@ -168,12 +167,13 @@ class AdmissionController(BackendWriter):
                    extra: tuple[Demand, float] | None = None) -> list[tuple[float, bool]] | None:
         """When each waiter in `order` (and `extra`, a newcomer behind those the
         ordering puts ahead of it) could start: `proxy.queue_forecast`, from the free
-        room of every healthy backend (for `extra`); None while the rate is unknown."""
-        demand = extra[0] if extra is not None else None
+        room of every healthy backend (for `extra`), each waiting for what it adds where
+        its prefix lives (`PrefixView.least_cost`); None while the rate is unknown."""
+        demand, cost = extra[0] if extra is not None else None, self.prefixes.least_cost
         return forecast(self.release_rate,
                         lambda: sum(max(0, r.free_tokens) for r in self.rooms(demand)),
-                        [(w.demand.tokens, w.deadline) for w in order], now,
-                        (extra[0].tokens, extra[1]) if extra is not None else None,
+                        ((cost(self.backends, w.demand, w), w.deadline) for w in order), now,
+                        (cost(self.backends, extra[0]), extra[1]) if extra is not None else None,
                         nobody_passes_after_s=self._starvation_s)
 
     def retry_after_s(self, extra_tokens: int = 0) -> float:

@@ -441,6 +441,51 @@ def test_a_prefix_released_between_two_passes_is_not_counted_by_the_second() -> 
     asyncio.run(scenario())
 
 
+def test_a_newcomer_is_judged_at_arrival_on_what_it_adds_where_its_prefix_lives() -> None:
+    """The queue drains at 400 tokens/s; b0 holds A's 320-token prefix ready and has 50
+    tokens free, b1 none; a 500-token waiter is ahead (1.125 s). A 400-token newcomer
+    with that prefix adds 80 on b0: 1.325 s, within its 1.8 s, so it waits and is placed
+    on b0 when room opens there, charged 80. The same 400 tokens without the prefix
+    would wait 2.125 s: refused at once, as predicted to miss its deadline."""
+    prefix = [key(7, i) for i in range(20)]
+
+    async def scenario() -> None:
+        ledger = MemoryLedger()
+        c = sharing_controller(ledger, [1000, 1000])
+        loop = asyncio.get_running_loop()
+        clock = [loop.time()]
+        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0], min_busy_releases=1)
+        c.release_rate.set_busy(True)
+        c.release_rate.record(400)
+        clock[0] += 1.0
+        a = await c.try_acquire(prefixed(700, prefix))
+        filler = await c.try_acquire(demand_plain(250))
+        hog = await c.try_acquire(demand_plain(1000))
+        assert a is not None and filler is not None and hog is not None
+        assert [x.backend.name for x in (a, filler, hog)] == ["b0", "b0", "b1"]
+        a.answered()
+        ahead = asyncio.ensure_future(c.acquire(demand_plain(500), loop.time() + 10))
+        await settle(c)
+        with pytest.raises(KvgateError) as late:
+            await c.acquire(demand_plain(400), loop.time() + 1.8)
+        assert late.value.reason == "queue_timeout_predicted"
+        assert "predicted to wait 2125 ms more" in late.value.message
+        turn = asyncio.ensure_future(
+            c.acquire(prefixed(400, [*prefix, key(8, 0)]), loop.time() + 1.8))
+        await settle(c)
+        assert not turn.done() and c.queue_depth == 2
+        filler.release()  # b0: 300 free, the waiter ahead still does not fit
+        await settle(c)
+        lease = await asyncio.wait_for(turn, 1)
+        assert (lease.backend.name, lease.shared_tokens) == ("b0", 320)
+        assert ledger.resident("b0") == 700 + 80
+        for x in (lease, a, hog):
+            x.release()
+        (await asyncio.wait_for(ahead, 1)).release()
+
+    asyncio.run(scenario())
+
+
 def demand_plain(tokens: int) -> Demand:
     return Demand(tokens=tokens, prompt_tokens=tokens // 2, max_tokens=tokens - tokens // 2)
 
