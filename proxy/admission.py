@@ -392,7 +392,7 @@ class AdmissionController(BackendWriter):
         self._short.pop(lease.lease_id, None)
         self._ledger.release(lease.lease_id)
         self.prefixes.released(lease)
-        self.release_rate.record(lease.tokens)
+        self.release_rate.record(lease.tokens - lease.shared_tokens)
         self._on_event("release", lease)
         self.kick()
 

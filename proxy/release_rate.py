@@ -39,6 +39,14 @@ class ReleaseRate:
     930 tokens/s after the first release, and every waiter was refused as late while
     the whole queue drained in under a second.
 
+    A release counts what it frees in the ledger's terms: its lease's tokens less the
+    shared blocks other leases held when it was reserved (`Lease.shared_tokens`), so
+    that over a run the releases free what the reservations charged, each shared block
+    once: the units the waits are predicted in (`PrefixView.least_cost`). Counted
+    whole, a group's requests sharing a 2,048-token system prompt read a drain rate
+    that was mostly their shared blocks, and waiters let in on it started past the
+    SLO (G, one run each: 55 of 324 completions after 3 s where 0 of 263 were before).
+
     `tokens_per_s` is the busy rate when known and else the rate over the window; it
     only sizes `Retry-After`, where a cautious guess costs a client one retry.
 

@@ -486,6 +486,35 @@ def test_a_newcomer_is_judged_at_arrival_on_what_it_adds_where_its_prefix_lives(
     asyncio.run(scenario())
 
 
+def test_the_drain_rate_counts_what_releases_free_shared_blocks_once() -> None:
+    """A holds a 320-token prefix (700 charged), B shares it (80 charged): the ledger
+    held 780 and the two releases free 780, not the 1,100 the two leases span. The
+    drain rate predicted waits are read from is in the tokens demands are judged on
+    (what they add), so it counts 780."""
+    prefix = [key(9, i) for i in range(20)]
+
+    async def scenario() -> None:
+        ledger = MemoryLedger()
+        c = sharing_controller(ledger, [1000])
+        clock = [0.0]
+        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0], min_busy_releases=2)
+        a = await c.try_acquire(prefixed(700, prefix))
+        assert a is not None
+        a.answered()
+        b = await c.try_acquire(prefixed(400, [*prefix, key(10, 0)]))
+        assert b is not None and (b.tokens, b.shared_tokens) == (400, 320)
+        assert ledger.resident("b0") == 780
+        c.release_rate.set_busy(True)
+        clock[0] = 0.5
+        b.release()
+        a.release()
+        clock[0] = 1.0
+        assert ledger.resident("b0") == 0
+        assert c.release_rate.busy_tokens_per_s() == pytest.approx(780)
+
+    asyncio.run(scenario())
+
+
 def demand_plain(tokens: int) -> Demand:
     return Demand(tokens=tokens, prompt_tokens=tokens // 2, max_tokens=tokens - tokens // 2)
 
