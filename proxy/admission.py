@@ -170,10 +170,9 @@ class AdmissionController(BackendWriter):
         room of every healthy backend (for `extra`), each waiting for what it adds where
         its prefix lives (`PrefixView.least_cost`); None while the rate is unknown."""
         demand, cost = extra[0] if extra is not None else None, self.prefixes.least_cost
-        return forecast(self.release_rate,
-                        lambda: sum(max(0, r.free_tokens) for r in self.rooms(demand)),
+        return forecast(self.release_rate, lambda: self.rooms(demand),
                         ((cost(self.backends, w.demand, w), w.deadline) for w in order), now,
-                        (cost(self.backends, extra[0]), extra[1]) if extra is not None else None,
+                        (extra[0].tokens, extra[1]) if extra is not None else None,
                         nobody_passes_after_s=self._starvation_s)
 
     def retry_after_s(self, extra_tokens: int = 0) -> float:

@@ -126,14 +126,15 @@ class PrefixView:
     def least_cost(self, backends: Iterable[Backend], demand: Demand,
                    owner: object | None = None) -> int:
         """What `demand` adds on the healthy backend of `backends` that holds the most of
-        its prefix ready: what admission by deadline predicts its wait on
-        (`proxy.queue_forecast`). On the whole demand, a conversation's next turn (its
-        history ready in the turn before) was refused as too large to start in time.
-        `kvgate simulate`, the Mooncake conversation slice (600 s, 4 x 262,144 tokens,
-        3 s deadline; clients capping at 2,048 at speed 4 and 6, without max_tokens at
-        speed 4): engine prefix-hit tokens +20% / +14% / +16%, goodput 1,264 -> 1,268 /
-        1,090 -> 1,086 / 1,213 -> 1,255, no preemption before or after. Judging only the
-        newcomer so, a turn let in was refused at the next dispatch pass instead."""
+        its prefix ready: what admission by deadline predicts a waiter's wait on
+        (`proxy.queue_forecast`; a newcomer's is read from the rooms worked out for
+        it). On the whole demand, a conversation's next turn (its history ready in the
+        turn before) was refused as too large to start in time. `kvgate simulate`, the
+        Mooncake conversation slice (600 s, 4 x 262,144 tokens, 3 s deadline; clients
+        capping at 2,048 at speed 4 and 6, without max_tokens at speed 4): engine
+        prefix-hit tokens +20% / +14% / +16%, goodput 1,264 -> 1,268 / 1,090 -> 1,086 /
+        1,213 -> 1,255, no preemption before or after. Judging only the newcomer so, a
+        turn let in was refused at the next dispatch pass instead."""
         if not demand.blocks:
             return demand.tokens
         return demand.tokens - max((self.held(b, demand, owner)[0] for b in backends

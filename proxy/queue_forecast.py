@@ -14,8 +14,9 @@ slice (2 x 16,384 tokens, 3 s deadline, speed 4 and 8): goodput 948 -> 1,012 and
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
+from policies.placement import BackendRoom
 from proxy.deadlines import passed_wait_s, predict_waits
 from proxy.errors import QueueTimeout
 from proxy.release_rate import ReleaseRate
@@ -23,25 +24,31 @@ from proxy.release_rate import ReleaseRate
 __all__ = ["forecast", "predicted_late"]
 
 
-def forecast(rate: ReleaseRate, free_tokens: Callable[[], int],
+def forecast(rate: ReleaseRate, rooms: Callable[[], Sequence[BackendRoom]],
              queue: Iterable[tuple[int, float]], now: float,
              newcomer: tuple[int, float] | None = None, *,
              nobody_passes_after_s: float = math.inf) -> list[tuple[float, bool]] | None:
     """`predict_waits` over `queue` ((tokens, deadline) in queue order) and `newcomer`
     behind it, whose wait is stretched by the smaller arrivals that will pass it until
     it starves (`passed_wait_s`); None while the queue's drain rate is unknown.
-    `free_tokens` is read only when it is known (it costs a look at every backend)."""
+    `rooms` (every healthy backend's room, for the newcomer's demand where there is
+    one) and `queue` are read only when the rate is known: they cost a look at every
+    backend. The newcomer waits for what it adds where that is least
+    (`BackendRoom.cost`: its prefix held ready there is not charged), as the waiters'
+    tokens in `queue` are (`PrefixView.least_cost`)."""
     busy = rate.busy_tokens_per_s()
     if busy is None or busy <= 0:
         return None
+    room = rooms()
     waits = list(queue)
     if newcomer is not None:
-        waits.append(newcomer)
-    predicted = predict_waits(busy, free_tokens(), waits, now)
+        tokens, deadline = newcomer
+        waits.append((min((r.cost(tokens) for r in room), default=tokens), deadline))
+    predicted = predict_waits(busy, sum(max(0, r.free_tokens) for r in room), waits, now)
     if newcomer is not None:
-        wait_s = passed_wait_s(predicted[-1][0], busy, rate.passing_tokens_per_s(newcomer[0]),
+        wait_s = passed_wait_s(predicted[-1][0], busy, rate.passing_tokens_per_s(waits[-1][0]),
                                nobody_passes_after_s=nobody_passes_after_s)
-        predicted[-1] = (wait_s, now + wait_s <= newcomer[1])
+        predicted[-1] = (wait_s, now + wait_s <= deadline)
     return predicted
 
 

@@ -32,6 +32,7 @@ from proxy.redis_ledger import RedisLedger
 from proxy.waiting_room import SPILL_AFTER
 from tests.support.redis_server import RedisServer, block_fields
 from tests.support.tcp_tap import reply_dropping_relay
+from tests.test_admission import busy_releases
 
 BT = 16  # tokens per block
 
@@ -454,9 +455,7 @@ def test_a_newcomer_is_judged_at_arrival_on_what_it_adds_where_its_prefix_lives(
         c = sharing_controller(ledger, [1000, 1000])
         loop = asyncio.get_running_loop()
         clock = [loop.time()]
-        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0], min_busy_releases=1)
-        c.release_rate.set_busy(True)
-        c.release_rate.record(400)
+        busy_releases(c, clock, 400)
         clock[0] += 1.0
         a = await c.try_acquire(prefixed(700, prefix))
         filler = await c.try_acquire(demand_plain(250))
