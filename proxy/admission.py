@@ -327,6 +327,7 @@ class AdmissionController(BackendWriter):
                       on_answer=self._answered if blocks else None)
         lease.shared_tokens = self._ledger.shared_tokens(lease_id)
         backend._inflight += 1
+        self.release_rate.started(lease)
         self._on_event("admit", lease)
         return lease
 
@@ -391,7 +392,7 @@ class AdmissionController(BackendWriter):
         self._short.pop(lease.lease_id, None)
         self._ledger.release(lease.lease_id)
         self.prefixes.released(lease)
-        self.release_rate.record(lease.tokens - lease.shared_tokens)
+        self.release_rate.released(lease)
         self._on_event("release", lease)
         self.kick()
 

@@ -36,7 +36,7 @@ def forecast(rate: ReleaseRate, rooms: Callable[[], Sequence[BackendRoom]],
     backend. The newcomer waits for what it adds where that is least
     (`BackendRoom.cost`: its prefix held ready there is not charged), as the waiters'
     tokens in `queue` are (`PrefixView.least_cost`)."""
-    busy = rate.busy_tokens_per_s()
+    busy = rate.busy_tokens_per_s() if newcomer is None else rate.arrival_tokens_per_s()
     if busy is None or busy <= 0:
         return None
     room = rooms()

@@ -107,9 +107,11 @@ def test_waiter_deadline_passed_raises_queue_timeout() -> None:
         held = await c.acquire(demand(80), soon())
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        # predicted to start in 0.75 s (the cold-start prior: 0.25 x 80 / 0.5 s), it
+        # waits; nothing is released, and its deadline passes
         with pytest.raises(QueueTimeout, match=r"waited \d+ ms for 50 tokens") as info:
-            await c.acquire(demand(50), loop.time() + 0.1)
-        assert 0.1 <= loop.time() - t0 < 0.2
+            await c.acquire(demand(50), loop.time() + 1.0)
+        assert 1.0 <= loop.time() - t0 < 1.1
         assert info.value.status == 429
         assert "Retry-After" in info.value.headers()
         assert c.queue_depth == 0
@@ -595,6 +597,33 @@ def test_a_request_that_cannot_start_in_time_is_refused_at_once() -> None:
         hog.release()
         for fut in ahead:  # 75 + 75 > 100: one after the other
             (await asyncio.wait_for(fut, 1)).release()
+        (await asyncio.wait_for(waiter, 1)).release()
+
+    asyncio.run(scenario())
+
+
+def test_at_a_cold_start_what_cannot_start_in_time_is_refused_at_once() -> None:
+    """No release seen yet. The pool (100) has been held by one lease for 4 s: the
+    prior reads 0.25 x 100 / 4 = 6.25 tokens/s, so a 50-token newcomer would wait 8 s.
+    With 1 s left it is refused at arrival, not after waiting out its deadline; with
+    20 s left it waits, and gets in when the lease ends."""
+    async def scenario() -> None:
+        c, _ = controller(capacity=100, depth=8)
+        loop = asyncio.get_running_loop()
+        clock = [loop.time()]
+        c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0])
+        hog = await c.acquire(demand(100), soon())
+        clock[0] += 4.0
+        started = loop.time()
+        with pytest.raises(QueueTimeout) as late:
+            await c.acquire(demand(50), loop.time() + 1.0)
+        assert late.value.predicted and late.value.reason == "queue_timeout_predicted"
+        assert "predicted to wait 8000 ms more for 50 tokens" in late.value.message
+        assert loop.time() - started < 0.05
+        waiter = asyncio.ensure_future(c.acquire(demand(50), loop.time() + 20.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        hog.release()
         (await asyncio.wait_for(waiter, 1)).release()
 
     asyncio.run(scenario())
