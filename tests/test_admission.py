@@ -107,11 +107,9 @@ def test_waiter_deadline_passed_raises_queue_timeout() -> None:
         held = await c.acquire(demand(80), soon())
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        # predicted to start in 0.75 s (the cold-start prior: 0.25 x 80 / 0.5 s), it
-        # waits; nothing is released, and its deadline passes
         with pytest.raises(QueueTimeout, match=r"waited \d+ ms for 50 tokens") as info:
-            await c.acquire(demand(50), loop.time() + 1.0)
-        assert 1.0 <= loop.time() - t0 < 1.1
+            await c.acquire(demand(50), loop.time() + 0.1)
+        assert 0.1 <= loop.time() - t0 < 0.2
         assert info.value.status == 429
         assert "Retry-After" in info.value.headers()
         assert c.queue_depth == 0
@@ -606,14 +604,21 @@ def test_at_a_cold_start_what_cannot_start_in_time_is_refused_at_once() -> None:
     """No release seen yet. The pool (100) has been held by one lease for 4 s: the
     prior reads 0.25 x 100 / 4 = 6.25 tokens/s, so a 50-token newcomer would wait 8 s.
     With 1 s left it is refused at arrival, not after waiting out its deadline; with
-    20 s left it waits, and gets in when the lease ends."""
+    20 s left it waits, and gets in when the lease ends. Before the lease had run a
+    second, the same newcomer waited: nothing was known yet."""
     async def scenario() -> None:
         c, _ = controller(capacity=100, depth=8)
         loop = asyncio.get_running_loop()
         clock = [loop.time()]
         c.release_rate = ReleaseRate(window_s=30, clock=lambda: clock[0])
         hog = await c.acquire(demand(100), soon())
-        clock[0] += 4.0
+        clock[0] += 0.9
+        young = asyncio.ensure_future(c.acquire(demand(50), loop.time() + 0.2))
+        await asyncio.sleep(0.05)
+        assert not young.done()  # no prior yet: it waits
+        with pytest.raises(QueueTimeout, match=r"waited \d+ ms for 50 tokens"):
+            await young
+        clock[0] += 3.1
         started = loop.time()
         with pytest.raises(QueueTimeout) as late:
             await c.acquire(demand(50), loop.time() + 1.0)

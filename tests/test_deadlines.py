@@ -78,25 +78,27 @@ class _Held:
 
 
 def test_before_any_release_the_live_leases_give_a_drain_rate_to_judge_arrivals_on() -> None:
-    """Each live lease frees its charged tokens at a quarter of tokens / age (an age of
-    0.5 s at least); the prior goes once the busy rate is measured, and only arrivals
-    are judged on it."""
+    """Once a live lease has run 1 s, each frees its charged tokens at a quarter of
+    tokens / age (an age of 1 s at least); the prior goes once the busy rate is
+    measured."""
     now = [0.0]
     rate = ReleaseRate(window_s=30, clock=lambda: now[0], min_busy_releases=2)
     assert rate.arrival_tokens_per_s() is None  # nothing live, nothing released
     a, b = _Held("a", 1_000), _Held("b", 800, shared_tokens=200)
     rate.started(a)
-    rate.started(b)
-    now[0] = 0.1  # younger than 0.5 s: counted as 0.5 s old
-    assert rate.arrival_tokens_per_s() == pytest.approx(0.25 * (1_000 + 600) / 0.5)
+    now[0] = 0.9
+    assert rate.arrival_tokens_per_s() is None  # no lease has run a second yet
+    now[0] = 1.5
+    rate.started(b)  # just granted: counted as 1 s old
+    assert rate.arrival_tokens_per_s() == pytest.approx(0.25 * (1_000 / 1.5 + 600 / 1.0))
     now[0] = 4.0
-    assert rate.cold_start_tokens_per_s() == pytest.approx(0.25 * 1_600 / 4.0)
+    assert rate.cold_start_tokens_per_s() == pytest.approx(0.25 * (1_000 / 4.0 + 600 / 2.5))
     assert rate.busy_tokens_per_s() is None  # the measured rate: still unknown
     rate.set_busy(True)
-    rate.released(b)  # frees what it was charged, and leaves the prior
-    assert rate.arrival_tokens_per_s() == pytest.approx(0.25 * 1_000 / 4.0)
+    rate.released(a)  # frees what it was charged, and leaves the prior
+    assert rate.arrival_tokens_per_s() == pytest.approx(0.25 * 600 / 2.5)
     now[0] = 4.5
-    rate.released(a)
+    rate.released(b)
     assert rate.cold_start_tokens_per_s() is None
     # two busy releases, 1,600 tokens over 0.5 s of waiting: measured, and judged on
     assert rate.arrival_tokens_per_s() == rate.busy_tokens_per_s() == pytest.approx(3_200)

@@ -472,9 +472,8 @@ def test_room_that_opens_goes_to_a_running_request_before_a_waiter() -> None:
         assert await c.resize(running, 700) == 600  # full: 100 short
         assert c.shortfall_tokens(backend) == 100
         loop = asyncio.get_running_loop()
-        # predicted to start in time (no release measured: the cold-start prior), it waits
         waiter = asyncio.ensure_future(
-            c.acquire(Demand(tokens=350, prompt_tokens=100, max_tokens=250), loop.time() + 1.5))
+            c.acquire(Demand(tokens=350, prompt_tokens=100, max_tokens=250), loop.time() + 0.3))
         await asyncio.sleep(0.01)
         other.release()  # 400 free: 100 for the running request first, 300 left
         await c.drain()

@@ -118,9 +118,7 @@ def test_overload_rejects_and_more_backends_cure_it() -> None:
     requests = _burst(200)
     one = simulate(requests, Scenario(capacity_tokens=4096, backends=1, queue=queue,
                                       reservation=ReservationMode.STRICT))
-    # refused, at once: the queue is full, or (from the cold-start prior) the request
-    # is predicted to start past its deadline
-    assert one.rejected_total > 0 and one.rejection_latency_s["p90"] == 0.0
+    assert one.rejected.get("queue_full", 0) > 0
     assert one.completed + one.rejected_total == 200
     many = simulate(requests, Scenario(capacity_tokens=4096, backends=8, queue=queue,
                                        reservation=ReservationMode.STRICT))
