@@ -1066,8 +1066,9 @@ def test_a_replica_places_a_prefix_where_another_replica_holds_it(
             where = (lease.backend.name, lease.shared_tokens)
             lease.release()
             a.release("la")
-            for led in (a, b):
+            for led in (a, b):  # both releases in Redis before it is read
                 await led.drain()
+            for led in (a, b):
                 assert [await led.resident_now(n) for n in ("b0", "b1")] == [0, 0]
             return where
         finally:
