@@ -205,7 +205,7 @@ class ReleaseRate:
         if not self._live:
             return None
         now = self._clock()
-        oldest = min(granted for _, granted in self._live.values())
+        _, oldest = next(iter(self._live.values()))  # granted in this order
         if now - oldest < _PRIOR_MIN_AGE_S:
             return None
         return _PRIOR_SHARE * sum(
